@@ -1,0 +1,43 @@
+# All set-up is done by these targets on a fresh machine: `make test` and `make stress`
+# create .venv, install the pinned set from requirements.lock, and run.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export NIXL_LOG_LEVEL ?= WARN
+export PYTHONUNBUFFERED = 1
+
+.PHONY: setup test lint unit stress stress-quick bench bench-quick clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q
+
+test: lint unit
+
+stress: $(STAMP)
+	$(PY) -m stress
+
+stress-quick: $(STAMP)
+	$(PY) -m stress --quick
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+bench-quick: $(STAMP)
+	$(PY) -m bench --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

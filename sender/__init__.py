@@ -1,0 +1,1 @@
+"""NIXL KV sender: transport, manager and per-room sender (see docs/THREADING.md)."""

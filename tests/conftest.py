@@ -1,0 +1,57 @@
+"""Shared pytest fixtures: thread-leak checks and interleaving pressure."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+# NIXL-specific fixtures (real agents, peer processes) live in their own module.
+pytest_plugins = ["tests.fixtures_nixl"]
+
+
+@pytest.fixture
+def fast_switch() -> Iterator[None]:
+    """Lower the GIL switch interval to 1 µs so races become likely (restored after)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+@pytest.fixture
+def thread_excepthook() -> Iterator[list[threading.ExceptHookArgs]]:
+    """Capture exceptions escaping any thread; the test asserts the list is empty."""
+    caught: list[threading.ExceptHookArgs] = []
+    old = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        caught.append(args)
+
+    threading.excepthook = hook
+    try:
+        yield caught
+    finally:
+        threading.excepthook = old
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    """Every test must leave no new Python thread alive (bounded grace period)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = 5.0
+    leaked: list[threading.Thread] = []
+    for t in threading.enumerate():
+        if t not in before and t is not threading.current_thread():
+            t.join(timeout=deadline)
+            if t.is_alive():
+                leaked.append(t)
+    assert not leaked, f"threads left alive: {[t.name for t in leaked]}"

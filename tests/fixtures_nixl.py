@@ -1,0 +1,1 @@
+"""Fixtures for tests that use real NIXL agents and decode-peer processes."""
