@@ -1,0 +1,471 @@
+"""``StagingContext``: the staging prefetch state of a prefill sender, behind one lock.
+
+It holds, per *room* (one request), the set of ``(chunk_idx, session_id)`` prefetch keys that
+were requested and whether the room's prefetch is complete. The two collections engines know
+as ``prefetch_requested`` (keys ``(room, chunk_idx, session_id)``) and ``prefetched_rooms``
+(room ids) are *derived* from that per-room index and handed out only as frozen snapshots.
+
+Rooms have a lifecycle: ``open_room`` -> writes -> ``purge_room`` (closed). Each opening gets
+a new *generation*; a writer holding a :class:`RoomHandle` of an older generation, or writing
+to a room that is not open, is refused (``False`` and a counter), never raised at and never
+allowed to re-create the room. That is what keeps a late transfer worker from resurrecting a
+purged room.
+
+The thread-safety contract of every method is in ``docs/THREADING.md``; each docstring
+repeats it in one line.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from staging.errors import RoomAlreadyOpenError
+from staging.locks import LockLevel, LockStats, MutexLock, RWLock, make_lock
+from staging.validate import check_chunk_idx, check_room_id, check_session_id
+
+PrefetchKey = tuple[int, int, str]
+"""``(room, chunk_idx, session_id)``: the key engines store in ``prefetch_requested``."""
+
+RoomKey = tuple[int, str]
+"""``(chunk_idx, session_id)``: a prefetch key within one room."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoomHandle:
+    """One opening of a room: ``(room, generation)``. Generations are unique per context."""
+
+    room: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomPurge:
+    """What one ``purge_room`` removed, taken in the same critical section that removed it."""
+
+    room: int
+    was_open: bool
+    was_prefetched: bool
+    requests: frozenset[RoomKey]
+    generation: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StagingSnapshot:
+    """The three views, taken together under one read lock."""
+
+    prefetched_rooms: frozenset[int]
+    prefetch_requested: frozenset[PrefetchKey]
+    open_rooms: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class StagingStats:
+    """Counters of one context, taken under one read lock."""
+
+    open_rooms: int
+    prefetched_rooms: int
+    requested_keys: int
+    rooms_opened: int
+    purges: int
+    session_purges: int
+    refused_late_writes: int
+    lock: LockStats
+
+
+@dataclass(slots=True)
+class _Room:
+    """Mutable state of one open room. Guarded by the owning context's lock."""
+
+    generation: int
+    prefetched: bool = False
+    requests: set[RoomKey] = field(default_factory=set)
+
+
+RoomRef = int | RoomHandle
+
+
+class StagingContext:
+    """Staging prefetch state of one sender, safe to share between threads.
+
+    Args:
+        lock: ``"rw"`` (``readerwriterlock.RWLockFair``; readers share) or ``"mutex"``
+            (``threading.Lock`` for both modes).
+        lock_timeout: seconds to wait for the lock before raising
+            :class:`~staging.errors.LockTimeoutError`; ``None`` waits forever.
+        debug: lock debug mode (re-entry and order checks); ``None`` reads env
+            ``NIXL_STAGING_DEBUG_LOCKS``.
+
+    Raises:
+        ValueError: unknown ``lock`` kind or ``lock_timeout`` not > 0.
+    """
+
+    def __init__(
+        self, *, lock: str = "rw", lock_timeout: float | None = None, debug: bool | None = None
+    ) -> None:
+        self._lock = make_lock(
+            lock, "staging", LockLevel.STAGING, timeout=lock_timeout, debug=debug
+        )
+        # --- Everything below is guarded by _lock: read under read(), mutate under write(). ---
+        # Open rooms by id. A room id is in _rooms iff it is open; its _Room.requests holds
+        # its prefetch keys. Invariant: _session_rooms[s][room] == number of keys of `room`
+        # whose session is `s`, and no zero counts are stored (the reverse index that makes
+        # purge_session O(keys of that session)).
+        self._rooms: dict[int, _Room] = {}
+        self._session_rooms: dict[str, dict[int, int]] = {}
+        self._requested_keys = 0
+        self._prefetched_count = 0
+        self._rooms_opened = 0
+        self._purges = 0
+        self._session_purges = 0
+        self._refused = 0
+        # Generations come from a process-unique counter; next() on itertools.count is atomic
+        # under the GIL, but we call it under the write lock anyway.
+        self._generations = itertools.count(1)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def lock_kind(self) -> str:
+        """``"rw"`` or ``"mutex"``."""
+        return self._lock.kind
+
+    @property
+    def lock(self) -> RWLock | MutexLock:
+        """The context's lock (level ``LockLevel.STAGING``), for ``assert_held`` in tests."""
+        return self._lock
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open_room(self, room: int) -> RoomHandle:
+        """Open ``room`` with a new generation. Thread-safe; write lock; atomic.
+
+        Raises:
+            RoomAlreadyOpenError: ``room`` is open (purge it first).
+            TypeError, ValueError: ``room`` is not an ``int`` >= 0 (``bool`` is refused).
+        """
+        check_room_id(room)
+        with self._lock.write():
+            if room in self._rooms:
+                raise RoomAlreadyOpenError(room)
+            generation = next(self._generations)
+            self._rooms[room] = _Room(generation)
+            self._rooms_opened += 1
+        return RoomHandle(room, generation)
+
+    def purge_room(self, room: RoomRef) -> RoomPurge:
+        """Remove ``room`` from both collections and close it, in ONE critical section.
+
+        Idempotent: purging a closed room (or with a stale handle, which never touches a newer
+        generation) returns ``was_open=False`` and changes nothing. Everything recorded for
+        the purged generation before this returns is in the result; nothing is recorded for
+        it afterwards. Cost is O(keys of that room). Thread-safe; write lock; atomic.
+
+        Raises:
+            TypeError, ValueError: bad ``room``.
+        """
+        room_id, generation = self._ref(room)
+        with self._lock.write():
+            state = self._rooms.get(room_id)
+            if state is None or (generation is not None and state.generation != generation):
+                return RoomPurge(room_id, False, False, frozenset())
+            del self._rooms[room_id]
+            for _, session in state.requests:
+                self._drop_session_ref(session, room_id)
+            self._requested_keys -= len(state.requests)
+            if state.prefetched:
+                self._prefetched_count -= 1
+            self._purges += 1
+            requests = frozenset(state.requests)
+        return RoomPurge(room_id, True, state.prefetched, requests, state.generation)
+
+    def purge_session(self, session_id: str) -> frozenset[int]:
+        """A decode peer died: drop its keys from every room; return the rooms that had any.
+
+        The rooms stay open (the sender fails them). Cost is O(keys of that session).
+        Thread-safe; write lock; atomic.
+
+        Raises:
+            TypeError, ValueError: ``session_id`` is not a non-empty ``str``.
+        """
+        check_session_id(session_id)
+        with self._lock.write():
+            by_room = self._session_rooms.pop(session_id, None)
+            if not by_room:
+                return frozenset()
+            for room_id in by_room:
+                state = self._rooms[room_id]
+                doomed = [key for key in state.requests if key[1] == session_id]
+                state.requests.difference_update(doomed)
+                self._requested_keys -= len(doomed)
+            self._session_purges += 1
+            return frozenset(by_room)
+
+    # ------------------------------------------------------------------ writers
+
+    def request_prefetch(self, room: RoomRef, chunk_idx: int, session_id: str) -> bool:
+        """Atomically test-and-add the key ``(room, chunk_idx, session_id)``.
+
+        ``True`` only if the key was newly recorded for the room's open generation.
+        ``False`` for a duplicate; ``False`` and a refused-late-write count if the room is not
+        open or ``room`` is a stale handle (late writers are normal: never raises for them).
+        Thread-safe; write lock; atomic.
+
+        Raises:
+            TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
+        """
+        room_id, generation = self._ref(room)
+        check_chunk_idx(chunk_idx)
+        check_session_id(session_id)
+        key = (chunk_idx, session_id)
+        with self._lock.write():
+            state = self._live(room_id, generation)
+            if state is None or key in state.requests:
+                return False
+            state.requests.add(key)
+            self._add_session_ref(session_id, room_id)
+            self._requested_keys += 1
+            return True
+
+    def request_prefetches(
+        self, room: RoomRef, chunk_idxs: Iterable[int], session_id: str
+    ) -> frozenset[int]:
+        """Batch :meth:`request_prefetch` for many chunks of one session, one acquisition.
+
+        Returns the chunk indices newly recorded (empty if the room is closed or the handle
+        stale; that counts one refused late write). Thread-safe; write lock; atomic as a whole.
+
+        Raises:
+            TypeError, ValueError: bad ``room``, any bad chunk index or bad ``session_id``
+                (checked before any state changes).
+        """
+        room_id, generation = self._ref(room)
+        chunks = tuple(chunk_idxs)
+        for chunk_idx in chunks:
+            check_chunk_idx(chunk_idx)
+        check_session_id(session_id)
+        added: list[int] = []
+        with self._lock.write():
+            state = self._live(room_id, generation)
+            if state is None:
+                return frozenset()
+            requests = state.requests
+            for chunk_idx in chunks:
+                key = (chunk_idx, session_id)
+                if key not in requests:
+                    requests.add(key)
+                    added.append(chunk_idx)
+            if added:
+                by_room = self._session_rooms.setdefault(session_id, {})
+                by_room[room_id] = by_room.get(room_id, 0) + len(added)
+                self._requested_keys += len(added)
+        return frozenset(added)
+
+    def cancel_prefetch(self, room: RoomRef, chunk_idx: int, session_id: str) -> bool:
+        """Remove one key (e.g. the request could not be sent). ``True`` if it was there.
+
+        A closed room or stale handle returns ``False`` and counts a refused late write.
+        Thread-safe; write lock; atomic.
+
+        Raises:
+            TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
+        """
+        room_id, generation = self._ref(room)
+        check_chunk_idx(chunk_idx)
+        check_session_id(session_id)
+        key = (chunk_idx, session_id)
+        with self._lock.write():
+            state = self._live(room_id, generation)
+            if state is None or key not in state.requests:
+                return False
+            state.requests.remove(key)
+            self._drop_session_ref(session_id, room_id)
+            self._requested_keys -= 1
+            return True
+
+    def mark_prefetched(self, room: RoomRef) -> bool:
+        """Mark the room's prefetch complete. ``True`` only if newly marked.
+
+        A closed room or stale handle returns ``False`` and counts a refused late write.
+        Thread-safe; write lock; atomic.
+
+        Raises:
+            TypeError, ValueError: bad ``room``.
+        """
+        room_id, generation = self._ref(room)
+        with self._lock.write():
+            state = self._live(room_id, generation)
+            if state is None or state.prefetched:
+                return False
+            state.prefetched = True
+            self._prefetched_count += 1
+            return True
+
+    # ------------------------------------------------------------------ readers
+
+    def is_open(self, room: RoomRef) -> bool:
+        """``True`` if the room (that generation, for a handle) is open. Thread-safe; read lock.
+
+        Raises:
+            TypeError, ValueError: bad ``room``.
+        """
+        room_id, generation = self._ref(room)
+        with self._lock.read():
+            state = self._rooms.get(room_id)
+            return state is not None and (generation is None or state.generation == generation)
+
+    def is_prefetched(self, room: RoomRef) -> bool:
+        """``True`` if the room is open and marked prefetched. Thread-safe; read lock.
+
+        Raises:
+            TypeError, ValueError: bad ``room``.
+        """
+        room_id, generation = self._ref(room)
+        with self._lock.read():
+            state = self._rooms.get(room_id)
+            return (
+                state is not None
+                and (generation is None or state.generation == generation)
+                and state.prefetched
+            )
+
+    def is_requested(self, room: RoomRef, chunk_idx: int, session_id: str) -> bool:
+        """``True`` if the key is recorded for the open room. Thread-safe; read lock.
+
+        Raises:
+            TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
+        """
+        room_id, generation = self._ref(room)
+        check_chunk_idx(chunk_idx)
+        check_session_id(session_id)
+        with self._lock.read():
+            state = self._rooms.get(room_id)
+            return (
+                state is not None
+                and (generation is None or state.generation == generation)
+                and (chunk_idx, session_id) in state.requests
+            )
+
+    def handle(self, room: int) -> RoomHandle | None:
+        """The handle of the open ``room``, or ``None``. Thread-safe; read lock.
+
+        Raises:
+            TypeError, ValueError: bad ``room``.
+        """
+        check_room_id(room)
+        with self._lock.read():
+            state = self._rooms.get(room)
+            return None if state is None else RoomHandle(room, state.generation)
+
+    def room_requests(self, room: RoomRef) -> frozenset[RoomKey]:
+        """The ``(chunk_idx, session_id)`` keys of the open room (empty if closed).
+
+        Thread-safe; read lock.
+
+        Raises:
+            TypeError, ValueError: bad ``room``.
+        """
+        room_id, generation = self._ref(room)
+        with self._lock.read():
+            state = self._live_quiet(room_id, generation)
+            return frozenset() if state is None else frozenset(state.requests)
+
+    @property
+    def prefetched_rooms(self) -> frozenset[int]:
+        """Snapshot of the ids of open rooms marked prefetched. Thread-safe; read lock."""
+        with self._lock.read():
+            return frozenset(room for room, state in self._rooms.items() if state.prefetched)
+
+    @property
+    def prefetch_requested(self) -> frozenset[PrefetchKey]:
+        """Snapshot of every ``(room, chunk_idx, session_id)`` key. Thread-safe; read lock."""
+        with self._lock.read():
+            return self._requested_unlocked()
+
+    @property
+    def open_rooms(self) -> frozenset[int]:
+        """Snapshot of the open room ids. Thread-safe; read lock."""
+        with self._lock.read():
+            return frozenset(self._rooms)
+
+    def snapshot(self) -> StagingSnapshot:
+        """All three views taken under ONE read lock (mutually consistent). Thread-safe."""
+        with self._lock.read():
+            return StagingSnapshot(
+                prefetched_rooms=frozenset(r for r, s in self._rooms.items() if s.prefetched),
+                prefetch_requested=self._requested_unlocked(),
+                open_rooms=frozenset(self._rooms),
+            )
+
+    def stats(self) -> StagingStats:
+        """Frozen counters taken under one read lock. Thread-safe."""
+        with self._lock.read():
+            return StagingStats(
+                open_rooms=len(self._rooms),
+                prefetched_rooms=self._prefetched_count,
+                requested_keys=self._requested_keys,
+                rooms_opened=self._rooms_opened,
+                purges=self._purges,
+                session_purges=self._session_purges,
+                refused_late_writes=self._refused,
+                lock=self._lock.stats(),
+            )
+
+    def __len__(self) -> int:
+        """Number of open rooms. Thread-safe; read lock."""
+        with self._lock.read():
+            return len(self._rooms)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"<StagingContext lock={self._lock.kind} open={s.open_rooms} "
+            f"prefetched={s.prefetched_rooms} keys={s.requested_keys}>"
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _ref(room: RoomRef) -> tuple[int, int | None]:
+        """Validate a room reference; ``(room_id, generation or None)``. No lock."""
+        if isinstance(room, RoomHandle):
+            check_room_id(room.room)
+            return room.room, room.generation
+        check_room_id(room)
+        return room, None
+
+    def _live_quiet(self, room_id: int, generation: int | None) -> _Room | None:
+        """The open room matching the reference, or ``None``. Caller holds the lock."""
+        state = self._rooms.get(room_id)
+        if state is None or (generation is not None and state.generation != generation):
+            return None
+        return state
+
+    def _live(self, room_id: int, generation: int | None) -> _Room | None:
+        """Like :meth:`_live_quiet`, counting a refused late write. Caller holds the write lock."""
+        state = self._live_quiet(room_id, generation)
+        if state is None:
+            self._refused += 1
+        return state
+
+    def _add_session_ref(self, session_id: str, room_id: int) -> None:
+        by_room = self._session_rooms.setdefault(session_id, {})
+        by_room[room_id] = by_room.get(room_id, 0) + 1
+
+    def _drop_session_ref(self, session_id: str, room_id: int) -> None:
+        by_room = self._session_rooms[session_id]
+        left = by_room[room_id] - 1
+        if left:
+            by_room[room_id] = left
+        else:
+            del by_room[room_id]
+            if not by_room:
+                del self._session_rooms[session_id]
+
+    def _requested_unlocked(self) -> frozenset[PrefetchKey]:
+        return frozenset(
+            (room, chunk_idx, session)
+            for room, state in self._rooms.items()
+            for chunk_idx, session in state.requests
+        )

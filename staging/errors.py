@@ -1,0 +1,71 @@
+"""Exceptions raised by the staging layer.
+
+Every error the staging layer raises on purpose is a :class:`StagingError`, except bad
+arguments, which raise the built-in :class:`TypeError` / :class:`ValueError` (before any state
+changes) so that callers can treat them as programming errors.
+"""
+
+from __future__ import annotations
+
+
+class StagingError(Exception):
+    """Base class of every deliberate staging-layer error."""
+
+
+class RoomAlreadyOpenError(StagingError):
+    """``open_room`` was called for a room id that is open (not yet purged)."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__(f"room {room} is already open; purge it before reopening")
+        self.room = room
+
+
+class LockError(StagingError):
+    """Base class of the lock-model errors."""
+
+
+class LockTimeoutError(LockError):
+    """A lock was not acquired within its ``timeout``."""
+
+    def __init__(self, lock_name: str, mode: str, timeout: float) -> None:
+        super().__init__(
+            f"could not acquire {lock_name!r} for {mode} within {timeout:g} s "
+            "(held too long elsewhere, or a deadlock)"
+        )
+        self.lock_name = lock_name
+        self.mode = mode
+        self.timeout = timeout
+
+
+class LockReentryError(LockError):
+    """Debug mode: a thread tried to acquire a non-reentrant lock it already holds."""
+
+    def __init__(self, lock_name: str, held_mode: str, mode: str) -> None:
+        super().__init__(
+            f"thread already holds {lock_name!r} for {held_mode} and asked for {mode}: "
+            "the lock is not reentrant, this would deadlock"
+        )
+        self.lock_name = lock_name
+        self.held_mode = held_mode
+        self.mode = mode
+
+
+class LockOrderError(LockError):
+    """Debug mode: a lock was acquired against the lock hierarchy.
+
+    Raised the first time the inverted order happens, not only when it deadlocks.
+    """
+
+    def __init__(self, held: str, held_level: int, wanted: str, wanted_level: int) -> None:
+        super().__init__(
+            f"lock order inverted: holding {held!r} (level {held_level}) while acquiring "
+            f"{wanted!r} (level {wanted_level}); locks must be taken in increasing level"
+        )
+        self.held = held
+        self.held_level = held_level
+        self.wanted = wanted
+        self.wanted_level = wanted_level
+
+
+class LockNotHeldError(LockError):
+    """``assert_held`` found that the calling thread does not hold the lock as required."""

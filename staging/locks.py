@@ -1,0 +1,382 @@
+"""The lock model shared by the staging layer and the sender.
+
+Every lock here has a *name* (its class of use, e.g. ``"staging"``), a *level* in the lock
+hierarchy, and two context managers, :meth:`StagingLock.read` and :meth:`StagingLock.write`.
+Two implementations exist and are interchangeable (one behavioural contract test suite runs
+over both):
+
+* :class:`RWLock` -- ``readerwriterlock.RWLockFair``: many readers or one writer, and neither
+  side starves (measured: ``RWLockRead`` starves writers, ``RWLockWrite`` starves readers).
+  A fresh ``gen_rlock()``/``gen_wlock()`` object is made per use: one generated lock object
+  shared by two threads corrupts the reader count. The internal locks are made by a
+  late-binding factory so that tools which patch ``threading.Lock`` (deterministic
+  schedulers) see them.
+* :class:`MutexLock` -- one ``threading.Lock`` for both modes.
+
+Neither is reentrant. Rules for code that holds one of these locks: never call user code,
+log, or do I/O while holding it; never acquire a lock of a lower or equal level while holding
+one (the hierarchy is :class:`LockLevel`: a thread acquires locks in strictly increasing
+level).
+
+Debug mode (``debug=True``, or env ``NIXL_STAGING_DEBUG_LOCKS=1`` when ``debug=None``) tracks
+what each thread holds and turns the two silent deadlocks into exceptions, raised *before*
+blocking: re-acquiring a held lock raises :class:`~staging.errors.LockReentryError`, and
+acquiring against the hierarchy raises :class:`~staging.errors.LockOrderError` the first time
+the inverted order happens, whether or not it would have deadlocked this time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from enum import IntEnum
+from types import TracebackType
+from typing import Literal, Protocol
+
+from readerwriterlock import rwlock
+
+from staging.errors import LockNotHeldError, LockOrderError, LockReentryError, LockTimeoutError
+
+LockMode = Literal["read", "write"]
+LockKind = Literal["rw", "mutex"]
+
+DEBUG_ENV = "NIXL_STAGING_DEBUG_LOCKS"
+
+
+class LockLevel(IntEnum):
+    """The lock hierarchy, outermost first. A thread takes locks in increasing level.
+
+    ``ROOM`` (the sender's manager lock) is taken before ``STAGING`` (a
+    :class:`~staging.context.StagingContext`), which is taken before ``POOL`` (the staging
+    slot pool), before ``FAILURE`` (the failure-record lock), before ``TRANSFER`` (one
+    transport transfer handle).
+    """
+
+    ROOM = 10
+    STAGING = 20
+    POOL = 30
+    FAILURE = 40
+    TRANSFER = 50
+
+
+def debug_from_env() -> bool:
+    """``True`` when env ``NIXL_STAGING_DEBUG_LOCKS`` is ``1``/``true``/``yes``."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _new_thread_lock() -> threading.Lock:
+    # Looked up at call time, not bound at import: patched ``threading.Lock`` is honoured.
+    return threading.Lock()
+
+
+@dataclass(frozen=True)
+class LockStats:
+    """A snapshot of one lock's counters (exact for writes, exact for reads)."""
+
+    name: str
+    kind: LockKind
+    level: int
+    read_acquisitions: int
+    write_acquisitions: int
+    contended: int
+    timeouts: int
+
+
+class _Acquirable(Protocol):
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+class StagingLock(Protocol):
+    """The interface every lock of the model offers."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def level(self) -> int: ...
+
+    @property
+    def kind(self) -> LockKind: ...
+
+    @property
+    def debug(self) -> bool: ...
+
+    def read(self) -> _Guard:
+        """Context manager holding the lock in shared (read) mode."""
+        ...
+
+    def write(self) -> _Guard:
+        """Context manager holding the lock in exclusive (write) mode."""
+        ...
+
+    def assert_held(self, mode: LockMode) -> None:
+        """Raise :class:`LockNotHeldError` unless the calling thread holds the lock in ``mode``."""
+        ...
+
+    def stats(self) -> LockStats:
+        """A frozen snapshot of the counters."""
+        ...
+
+
+# Per-thread list of (lock, mode) currently held; maintained only by locks in debug mode.
+_held = threading.local()
+
+
+def _held_list() -> list[tuple[_LockBase, LockMode]]:
+    held: list[tuple[_LockBase, LockMode]] | None = getattr(_held, "locks", None)
+    if held is None:
+        held = []
+        _held.locks = held
+    return held
+
+
+def held_locks() -> tuple[tuple[str, LockMode], ...]:
+    """Debug mode: the (name, mode) of every debug lock the calling thread holds, in order."""
+    return tuple((lock.name, mode) for lock, mode in _held_list())
+
+
+class _Guard:
+    """One acquisition of a lock in one mode; a context manager, used once."""
+
+    __slots__ = ("_inner", "_lock", "_mode")
+
+    def __init__(self, lock: _LockBase, inner: _Acquirable, mode: LockMode) -> None:
+        self._lock = lock
+        self._inner = inner
+        self._mode: LockMode = mode
+
+    def __enter__(self) -> None:
+        self._lock._acquire(self._inner, self._mode)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._lock._release(self._inner, self._mode)
+
+
+class _LockBase:
+    """Shared acquire/release logic: timeouts, counters, debug tracking."""
+
+    kind: LockKind
+
+    def __init__(
+        self, name: str, level: int, *, timeout: float | None = None, debug: bool | None = None
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError("lock name must be a non-empty str")
+        if isinstance(level, bool) or not isinstance(level, int):
+            raise TypeError(f"lock level must be an int, got {type(level).__name__}")
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise ValueError(f"lock timeout must be None or > 0, got {timeout!r}")
+        self._name = name
+        self._level = int(level)
+        self._timeout = timeout
+        self._timeout_arg: float = -1 if timeout is None else float(timeout)
+        self._debug = debug_from_env() if debug is None else bool(debug)
+        # Thread ident of the exclusive holder (write mode, or any mode of a mutex), or None.
+        # Written only by the holder, after acquiring and before releasing.
+        self._owner: int | None = None
+        # Counters. _writes, and _reads of an exclusive-only lock, are guarded by the lock
+        # itself (only the exclusive holder increments them); _reads of a shared-mode lock,
+        # _contended and _timeouts are guarded by _stats_lock.
+        self._stats_lock = threading.Lock()
+        self._reads = 0
+        self._writes = 0
+        self._contended = 0
+        self._timeouts = 0
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def level(self) -> int:
+        return self._level
+
+    @property
+    def debug(self) -> bool:
+        return self._debug
+
+    @property
+    def timeout(self) -> float | None:
+        return self._timeout
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._name!r} level={self._level} debug={self._debug}>"
+
+    # -- acquisition -------------------------------------------------------------------
+
+    def _exclusive(self, mode: LockMode) -> bool:
+        raise NotImplementedError
+
+    def _acquire(self, inner: _Acquirable, mode: LockMode) -> None:
+        if self._debug:
+            self._check_order(mode)
+        if not inner.acquire(False):
+            with self._stats_lock:
+                self._contended += 1
+            if not inner.acquire(True, self._timeout_arg):
+                with self._stats_lock:
+                    self._timeouts += 1
+                raise LockTimeoutError(self._name, mode, self._timeout_arg)
+        if self._exclusive(mode):
+            self._owner = threading.get_ident()
+            if mode == "write":
+                self._writes += 1
+            else:
+                self._reads += 1
+        else:
+            with self._stats_lock:
+                self._reads += 1
+        if self._debug:
+            _held_list().append((self, mode))
+
+    def _release(self, inner: _Acquirable, mode: LockMode) -> None:
+        if self._debug:
+            held = _held_list()
+            for i in range(len(held) - 1, -1, -1):
+                if held[i][0] is self:
+                    del held[i]
+                    break
+        if self._exclusive(mode):
+            self._owner = None
+        inner.release()
+
+    def _check_order(self, mode: LockMode) -> None:
+        for lock, held_mode in _held_list():
+            if lock is self:
+                raise LockReentryError(self._name, held_mode, mode)
+            if lock._level >= self._level:
+                raise LockOrderError(lock._name, lock._level, self._name, self._level)
+
+    # -- inspection --------------------------------------------------------------------
+
+    def assert_held(self, mode: LockMode) -> None:
+        """Raise :class:`LockNotHeldError` unless the calling thread holds this lock in ``mode``.
+
+        Holding the write mode satisfies ``"read"``. Exact in debug mode; outside debug mode,
+        shared (read) holders of an :class:`RWLock` are not tracked, so ``"read"`` is then
+        checked only as "the lock is not free".
+
+        Thread-safe.
+        """
+        me = threading.get_ident()
+        if self._debug:
+            for lock, held_mode in _held_list():
+                if lock is self and (held_mode == mode or held_mode == "write"):
+                    return
+            raise LockNotHeldError(f"{self._name!r} is not held for {mode} by this thread")
+        if self._owner == me:
+            return
+        if mode == "read" and not self._exclusive("read") and self._held_by_anyone():
+            return
+        raise LockNotHeldError(f"{self._name!r} is not held for {mode} by this thread")
+
+    def _held_by_anyone(self) -> bool:
+        raise NotImplementedError
+
+    def stats(self) -> LockStats:
+        """A frozen snapshot of the counters. Thread-safe; never blocks on the lock itself."""
+        with self._stats_lock:
+            return LockStats(
+                name=self._name,
+                kind=self.kind,
+                level=self._level,
+                read_acquisitions=self._reads,
+                write_acquisitions=self._writes,
+                contended=self._contended,
+                timeouts=self._timeouts,
+            )
+
+
+class RWLock(_LockBase):
+    """Readers-writer lock over ``readerwriterlock.RWLockFair``.
+
+    Thread-safety: all methods are thread-safe. ``read()`` admits many concurrent holders,
+    ``write()`` one holder and no reader. Not reentrant.
+    """
+
+    kind: LockKind = "rw"
+
+    def __init__(
+        self, name: str, level: int, *, timeout: float | None = None, debug: bool | None = None
+    ) -> None:
+        super().__init__(name, level, timeout=timeout, debug=debug)
+        self._rw = rwlock.RWLockFair(lock_factory=_new_thread_lock)
+
+    def _exclusive(self, mode: LockMode) -> bool:
+        return mode == "write"
+
+    def _held_by_anyone(self) -> bool:
+        probe = self._rw.gen_wlock()
+        if probe.acquire(blocking=False):
+            probe.release()
+            return False
+        return True
+
+    def read(self) -> _Guard:
+        """Hold in shared mode. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        return _Guard(self, self._rw.gen_rlock(), "read")
+
+    def write(self) -> _Guard:
+        """Hold exclusively. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        return _Guard(self, self._rw.gen_wlock(), "write")
+
+
+class MutexLock(_LockBase):
+    """One ``threading.Lock`` serving both modes (readers exclude each other).
+
+    Thread-safety: all methods are thread-safe. Not reentrant.
+    """
+
+    kind: LockKind = "mutex"
+
+    def __init__(
+        self, name: str, level: int, *, timeout: float | None = None, debug: bool | None = None
+    ) -> None:
+        super().__init__(name, level, timeout=timeout, debug=debug)
+        self._mutex = _new_thread_lock()
+
+    def _exclusive(self, mode: LockMode) -> bool:
+        return True
+
+    def _held_by_anyone(self) -> bool:
+        return self._mutex.locked()
+
+    def read(self) -> _Guard:
+        """Hold (exclusively). Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        return _Guard(self, self._mutex, "read")
+
+    def write(self) -> _Guard:
+        """Hold exclusively. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        return _Guard(self, self._mutex, "write")
+
+
+LOCK_KINDS: tuple[LockKind, ...] = ("rw", "mutex")
+
+
+def make_lock(
+    kind: str,
+    name: str,
+    level: int,
+    *,
+    timeout: float | None = None,
+    debug: bool | None = None,
+) -> RWLock | MutexLock:
+    """Build a lock of ``kind`` (``"rw"`` or ``"mutex"``).
+
+    Raises:
+        ValueError: unknown ``kind``, empty ``name`` or a ``timeout`` that is not > 0.
+        TypeError: ``level`` is not an int.
+    """
+    if kind == "rw":
+        return RWLock(name, level, timeout=timeout, debug=debug)
+    if kind == "mutex":
+        return MutexLock(name, level, timeout=timeout, debug=debug)
+    raise ValueError(f"lock kind must be one of {LOCK_KINDS}, got {kind!r}")

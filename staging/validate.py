@@ -1,0 +1,41 @@
+"""Argument checks shared by the staging layer and the sender.
+
+Each check raises before any state changes: ``TypeError`` for a wrong type, ``ValueError``
+for a value out of range. ``bool`` is refused where an ``int`` is expected (``True`` is an
+``int`` in Python, and a room id of ``True`` is always a caller bug).
+"""
+
+from __future__ import annotations
+
+
+def check_index(value: object, what: str) -> int:
+    """Return ``value`` if it is an ``int`` >= 0 and not a ``bool``.
+
+    Raises:
+        TypeError: not an ``int``, or a ``bool``.
+        ValueError: negative.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int >= 0, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+def check_room_id(room: object) -> int:
+    """A room id: ``int`` >= 0, not ``bool``. Raises: TypeError, ValueError."""
+    return check_index(room, "room")
+
+
+def check_chunk_idx(chunk_idx: object) -> int:
+    """A chunk index: ``int`` >= 0, not ``bool``. Raises: TypeError, ValueError."""
+    return check_index(chunk_idx, "chunk_idx")
+
+
+def check_session_id(session_id: object) -> str:
+    """A session id (decode peer): non-empty ``str``. Raises: TypeError, ValueError."""
+    if not isinstance(session_id, str):
+        raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
+    if not session_id:
+        raise ValueError("session_id must be a non-empty str")
+    return session_id

@@ -1,0 +1,1 @@
+"""Concurrency stress suite (python -m stress)."""
