@@ -1,0 +1,223 @@
+"""``NixlKVSender``: the per-request sender object an engine's scheduler drives.
+
+The scheduler creates one per request (room), calls ``init`` once the number of KV pages is
+known, ``send`` once per chunk (the last chunk concludes the room), ``poll`` every step, and
+then ``clear()`` on ``Success`` or ``failure_exception()`` on ``Failed``. The attribute names
+(``bootstrap_room``, ``conclude_state``, ``_send_failed``, ``_send_error``, ``kv_mgr``)
+mirror upstream senders so that their users recognise them.
+
+Contract (see ``docs/THREADING.md``): ``send`` and ``poll`` never raise for a transport
+failure — they report ``KVPoll.Failed`` and keep the exception; only bad arguments raise.
+``failure_exception`` raises by design, after purging the room. ``clear`` is idempotent and
+safe from any thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NoReturn
+
+import numpy as np
+
+from sender.errors import KVTransferError
+from sender.manager import KVManager, PageArray, TransferInfo
+from sender.poll import KVPoll, is_concluded
+from staging.context import RoomHandle
+from staging.validate import check_index
+
+
+def _as_indices(kv_indices: Sequence[int] | PageArray, what: str) -> PageArray:
+    """Validate a 1-D list/array of non-negative page indices (bools refused)."""
+    arr = np.asarray(kv_indices)
+    if arr.dtype == np.bool_ or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{what} must hold ints, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size and int(arr.min()) < 0:
+        raise ValueError(f"{what} must be >= 0")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class NixlKVSender:
+    """Sends one room's KV pages to its decode session(s) through a :class:`KVManager`.
+
+    Args:
+        mgr: the manager (owns the transport, tables, workers).
+        bootstrap_room: the room (request) id, an ``int`` >= 0.
+        session_ids: the decode sessions that receive this room.
+        transfer_infos: decode-side infos already known (else the bootstrap thread calls
+            :meth:`KVManager.add_transfer_info` later).
+
+    Raises:
+        RoomAlreadyOpenError: a sender for this room is alive (not cleared).
+        TypeError, ValueError: bad room or sessions.
+
+    Thread-safety: ``init``, ``send``, ``poll``, ``failure_exception`` and ``abort`` are
+    called by the scheduler thread (one thread per sender). ``clear`` is safe from any
+    thread, concurrently with everything.
+    """
+
+    def __init__(
+        self,
+        mgr: KVManager,
+        bootstrap_room: int,
+        session_ids: Sequence[str],
+        transfer_infos: Sequence[TransferInfo] = (),
+    ) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_room = bootstrap_room
+        self.session_ids = tuple(session_ids)
+        self._handle: RoomHandle = mgr.open_room(bootstrap_room, self.session_ids)
+        self.conclude_state: KVPoll | None = None
+        self._send_failed = False
+        self._send_error: BaseException | None = None
+        self._failure_reported = False
+        self.num_kv_indices: int | None = None
+        self.aux_index: int | None = None
+        self._pages_sent = 0
+        self._chunk_idx = 0
+        try:
+            for info in transfer_infos:
+                mgr.add_transfer_info(self._handle, info)
+        except BaseException:
+            mgr.purge_room(self._handle)
+            raise
+
+    @property
+    def handle(self) -> RoomHandle:
+        """The room's handle (room id and the generation of this opening)."""
+        return self._handle
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        """Declare how many KV pages this room sends. Scheduler thread.
+
+        Raises:
+            TypeError, ValueError: bad count (or more pages than a session's destination),
+                ``aux_index`` not an int >= 0, or ``init`` called twice. No state changes.
+        """
+        check_index(num_kv_indices, "num_kv_indices")
+        if aux_index is not None:
+            check_index(aux_index, "aux_index")
+        if self.num_kv_indices is not None:
+            raise ValueError(f"init() already called for room {self.bootstrap_room}")
+        self.kv_mgr.init_room(self._handle, num_kv_indices)
+        self.num_kv_indices = num_kv_indices
+        self.aux_index = aux_index
+
+    def send(self, kv_indices: Sequence[int] | PageArray) -> None:
+        """Send the next chunk: ``kv_indices`` are prefill KV pages, in room order.
+
+        The chunk that reaches ``num_kv_indices`` pages is the last one and concludes the
+        room. After a failure ``send`` is a no-op. A transport error never propagates: the
+        sender records it (``_send_failed``, ``_send_error``) and ``poll`` says ``Failed``.
+        Scheduler thread.
+
+        Raises:
+            RuntimeError: ``send`` before ``init``.
+            TypeError, ValueError: indices not 1-D ints >= 0, out of the KV pool, past
+                ``num_kv_indices``, or the room not ready (no decode info yet). No state
+                changes in any of these cases.
+        """
+        arr = _as_indices(kv_indices, "kv_indices")
+        if self.num_kv_indices is None:
+            raise RuntimeError(f"send() before init() for room {self.bootstrap_room}")
+        if self._send_failed or is_concluded(self.conclude_state):
+            return
+        start = self._pages_sent
+        if start + arr.size > self.num_kv_indices:
+            raise ValueError(
+                f"room {self.bootstrap_room}: {start + arr.size} pages sent, "
+                f"num_kv_indices is {self.num_kv_indices}"
+            )
+        is_last = start + int(arr.size) == self.num_kv_indices
+        try:
+            self.kv_mgr.submit_chunk(self._handle, self._chunk_idx, start, arr, is_last)
+        except (TypeError, ValueError):
+            raise
+        except Exception as exc:  # transport error (inline mode) or anything unexpected
+            self._note_failure(exc, f"send of chunk {self._chunk_idx} failed: {exc!r}")
+            return
+        self._pages_sent = start + int(arr.size)
+        self._chunk_idx += 1
+
+    def poll(self) -> KVPoll:
+        """The room's status; never raises. Scheduler thread.
+
+        Once ``Success`` or ``Failed`` is seen it is kept in ``conclude_state``.
+        """
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if self._send_failed:
+            return KVPoll.Failed
+        try:
+            self.kv_mgr.progress(self._handle)
+            status = self.kv_mgr.status(self.bootstrap_room)
+        except Exception as exc:
+            self._note_failure(exc, f"poll failed: {exc!r}")
+            return KVPoll.Failed
+        if status is None or not self.kv_mgr.is_open(self._handle):
+            # Cleared (or reopened by someone else) without a conclusion seen here.
+            self.conclude_state = KVPoll.Failed
+            return KVPoll.Failed
+        if is_concluded(status):
+            self.conclude_state = status
+        return status
+
+    def failure_exception(self) -> NoReturn:
+        """Raise why this room failed, after purging every trace of it.
+
+        Pops the room's stored exception and failure record, marks the sender ``Failed``,
+        calls :meth:`clear`, then raises (first that applies): ``_send_error`` (the same
+        object); the stored exception (the same object); ``KVTransferError(room, reason)``;
+        ``KVTransferError(room, ..., is_from_another_rank=True)``. A second call raises a
+        ``KVTransferError`` saying the failure was already reported, and changes nothing.
+        Scheduler thread.
+
+        Raises:
+            BaseException: always, as described.
+        """
+        room = self.bootstrap_room
+        if self._failure_reported:
+            raise KVTransferError(room, "failure already reported by failure_exception()")
+        self._failure_reported = True
+        stored = self.kv_mgr.pop_exception(room) if self._owns_room() else None
+        reason = self.kv_mgr.pop_failure_record(room) if self._owns_room() else None
+        if self.conclude_state is None:
+            self.conclude_state = KVPoll.Failed
+        self._send_failed = True
+        self.clear()
+        if self._send_error is not None:
+            raise self._send_error
+        if stored is not None:
+            raise stored
+        if reason is not None:
+            raise KVTransferError(room, reason)
+        raise KVTransferError(
+            room, "failed on another rank (no local error recorded)", is_from_another_rank=True
+        )
+
+    def clear(self) -> None:
+        """Purge every per-room table, the staging state and slots, and release in-flight
+        transfers. Idempotent; safe from any thread; never raises."""
+        self.kv_mgr.purge_room(self._handle)
+
+    def abort(self) -> None:
+        """The caller gives the request up: the room becomes ``Failed`` (its in-flight
+        transfers are released by ``clear``/``failure_exception``). Scheduler thread."""
+        self._note_failure(None, "aborted by the caller")
+
+    def _owns_room(self) -> bool:
+        return self.kv_mgr.is_open(self._handle)
+
+    def _note_failure(self, exc: BaseException | None, reason: str) -> None:
+        self._send_failed = True
+        if exc is not None and self._send_error is None:
+            self._send_error = exc
+        stored = exc if exc is not None else KVTransferError(self.bootstrap_room, reason)
+        self.kv_mgr.record_failure(self._handle, stored, reason)
+
+    def __repr__(self) -> str:
+        return (
+            f"<NixlKVSender room={self.bootstrap_room} gen={self._handle.generation} "
+            f"conclude_state={self.conclude_state!r} failed={self._send_failed}>"
+        )

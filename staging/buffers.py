@@ -1,0 +1,311 @@
+"""``StagingBufferPool``: fixed staging slots carved from one tensor.
+
+A chunk of KV pages bound for one decode peer is *gathered* into a slot (for a decode TP
+rank, only that rank's slice of each page: ``index_select`` of the pages, ``narrow`` to the
+slice, one copy), so that the transport moves it with one bulk transfer from contiguous
+memory. The slot returns to the pool when that transfer is done or when its room is purged.
+
+The pool's one tensor is registered with the transport once (``region``/``page_bytes``), so
+slots need no per-use registration. A slot is leased to an *owner* (a room handle, or any
+hashable) and every lease has a unique id: releasing a lease twice, or releasing a lease
+whose slot was since re-leased to someone else, does nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from staging.errors import StagingError
+from staging.locks import LockLevel, make_lock
+from staging.validate import check_index
+
+
+class PoolExhaustedError(StagingError):
+    """No slot became free within ``acquire``'s timeout."""
+
+    def __init__(self, num_slots: int, timeout: float | None) -> None:
+        super().__init__(
+            f"all {num_slots} staging slots are in use and none was freed within "
+            f"{timeout if timeout is not None else 0:g} s; raise num_slots or release "
+            "slots of finished rooms"
+        )
+        self.num_slots = num_slots
+        self.timeout = timeout
+
+
+class PoolClosedError(StagingError):
+    """The pool was closed; no slot can be acquired any more."""
+
+
+@dataclass(frozen=True, slots=True)
+class StagingSlot:
+    """One lease of one slot: pages ``[first_page, first_page + slot_pages)`` of the pool."""
+
+    index: int
+    lease: int
+    owner: Hashable
+    first_page: int
+    slot_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """Counters of one pool, taken under its lock."""
+
+    num_slots: int
+    free: int
+    in_use: int
+    owners: int
+    acquired: int
+    released: int
+    exhausted: int
+
+
+class StagingBufferPool:
+    """Fixed staging slots over one ``[num_slots * slot_pages, page_bytes]`` uint8 tensor.
+
+    Args:
+        num_slots: number of slots (>= 1).
+        slot_pages: pages per slot (>= 1): the largest chunk one slot holds.
+        page_bytes: bytes per staged page (>= 1): what one decode page holds.
+        device: torch device of the buffer (``"cpu"`` here; ``"cuda"`` where a GPU exists).
+        lock: ``"mutex"`` (default) or ``"rw"``; the lock has level ``LockLevel.POOL``.
+        debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
+
+    Raises:
+        TypeError, ValueError: a size that is not an ``int`` >= 1.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        slot_pages: int,
+        page_bytes: int,
+        *,
+        device: str | torch.device = "cpu",
+        lock: str = "mutex",
+        debug: bool | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_slots", num_slots),
+            ("slot_pages", slot_pages),
+            ("page_bytes", page_bytes),
+        ):
+            if check_index(value, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self._num_slots = num_slots
+        self._slot_pages = slot_pages
+        self._page_bytes = page_bytes
+        self._buffer = torch.zeros(
+            (num_slots * slot_pages, page_bytes), dtype=torch.uint8, device=device
+        )
+        self._lock = make_lock(lock, "staging-pool", LockLevel.POOL, debug=debug)
+        # Signalled (under _cond's own mutex) whenever a slot is freed or the pool closes.
+        # Waiters never hold _lock while waiting.
+        self._cond = threading.Condition(threading.Lock())
+        # --- Guarded by _lock; mutate only under write(). ---
+        # _free: indices of free slots. _leases: slot index -> its live StagingSlot.
+        # _by_owner: owner -> set of slot indices leased to it (no empty sets stored).
+        # Invariant: set(_leases) and _free partition range(num_slots).
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._leases: dict[int, StagingSlot] = {}
+        self._by_owner: dict[Hashable, set[int]] = {}
+        self._lease_ids = itertools.count(1)
+        self._closed = False
+        self._acquired = 0
+        self._released = 0
+        self._exhausted = 0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The whole buffer, to register with the transport once."""
+        return self._buffer
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def slot_pages(self) -> int:
+        return self._slot_pages
+
+    @property
+    def page_bytes(self) -> int:
+        return self._page_bytes
+
+    def view(self, slot: StagingSlot, num_pages: int | None = None) -> torch.Tensor:
+        """The slot's pages as a ``[num_pages, page_bytes]`` view. Thread-safe (no lock)."""
+        n = self._slot_pages if num_pages is None else num_pages
+        return self._buffer.narrow(0, slot.first_page, n)
+
+    # ------------------------------------------------------------------ leasing
+
+    def try_acquire(self, owner: Hashable) -> StagingSlot | None:
+        """Lease a free slot to ``owner`` now, or ``None``. Thread-safe; write lock; no wait.
+
+        Raises:
+            PoolClosedError: the pool is closed.
+        """
+        with self._lock.write():
+            if self._closed:
+                raise PoolClosedError("staging pool is closed")
+            if not self._free:
+                return None
+            index = self._free.pop()
+            slot = StagingSlot(
+                index, next(self._lease_ids), owner, index * self._slot_pages, self._slot_pages
+            )
+            self._leases[index] = slot
+            self._by_owner.setdefault(owner, set()).add(index)
+            self._acquired += 1
+            return slot
+
+    def acquire(self, owner: Hashable, timeout: float | None = 1.0) -> StagingSlot:
+        """Lease a slot to ``owner``, waiting up to ``timeout`` s for one to be freed.
+
+        ``timeout=None`` waits until a slot is freed or the pool closes. Thread-safe; the
+        wait holds no lock of the model.
+
+        Raises:
+            PoolExhaustedError: no slot was freed in time.
+            PoolClosedError: the pool is (or becomes) closed.
+            ValueError: negative ``timeout``.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                slot = self.try_acquire(owner)
+                if slot is not None:
+                    return slot
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    with self._lock.write():
+                        self._exhausted += 1
+                    raise PoolExhaustedError(self._num_slots, timeout)
+                self._cond.wait(remaining)
+
+    def release(self, slot: StagingSlot) -> bool:
+        """Return a lease. ``True`` if it was live; a stale or repeated release does nothing.
+
+        Thread-safe; write lock.
+        """
+        with self._lock.write():
+            freed = self._release_unlocked(slot.index, slot.lease)
+        if freed:
+            self._notify()
+        return bool(freed)
+
+    def release_owner(self, owner: Hashable) -> int:
+        """Return every slot leased to ``owner`` (a purged room); the number freed.
+
+        Thread-safe; write lock; atomic.
+        """
+        with self._lock.write():
+            indices = self._by_owner.get(owner)
+            freed = 0
+            for index in list(indices or ()):
+                freed += self._release_unlocked(index, self._leases[index].lease)
+        if freed:
+            self._notify()
+        return freed
+
+    def owner_slots(self, owner: Hashable) -> int:
+        """How many slots ``owner`` holds now. Thread-safe; read lock."""
+        with self._lock.read():
+            return len(self._by_owner.get(owner, ()))
+
+    def owners(self) -> frozenset[Hashable]:
+        """Snapshot of the owners holding at least one slot. Thread-safe; read lock."""
+        with self._lock.read():
+            return frozenset(self._by_owner)
+
+    def close(self) -> None:
+        """Refuse further acquisitions and wake every waiter. Idempotent; thread-safe."""
+        with self._lock.write():
+            self._closed = True
+        self._notify()
+
+    def stats(self) -> PoolStats:
+        """Frozen counters. Thread-safe; read lock."""
+        with self._lock.read():
+            return PoolStats(
+                num_slots=self._num_slots,
+                free=len(self._free),
+                in_use=len(self._leases),
+                owners=len(self._by_owner),
+                acquired=self._acquired,
+                released=self._released,
+                exhausted=self._exhausted,
+            )
+
+    # ------------------------------------------------------------------ gathering
+
+    def gather(
+        self,
+        slot: StagingSlot,
+        source: torch.Tensor,
+        pages: Sequence[int] | torch.Tensor | npt.NDArray[np.integer[Any]],
+        byte_range: tuple[int, int] | None = None,
+    ) -> int:
+        """Copy ``source[pages]`` (only bytes ``[start, start+length)`` of each page when
+        ``byte_range=(start, length)`` is given, e.g. a decode TP rank's heads) into the slot.
+
+        Returns the number of pages staged. The caller must hold the lease. Thread-safe for
+        distinct slots (no lock; one ``index_select`` and one copy).
+
+        Raises:
+            ValueError: too many pages for a slot, a staged page size that does not match the
+                pool's ``page_bytes``, a byte range outside the page, or a page index out of
+                range.
+            TypeError: ``source`` is not a 2-D uint8 tensor.
+        """
+        if source.dim() != 2 or source.dtype != torch.uint8:
+            raise TypeError("source must be a 2-D uint8 tensor [num_pages, page_bytes]")
+        index = torch.as_tensor(pages, dtype=torch.long, device=source.device)
+        n = int(index.numel())
+        if n > self._slot_pages:
+            raise ValueError(f"{n} pages do not fit a slot of {self._slot_pages} pages")
+        if n and (int(index.min()) < 0 or int(index.max()) >= source.shape[0]):
+            raise ValueError(f"page index out of range [0, {source.shape[0]})")
+        start, length = (0, source.shape[1]) if byte_range is None else byte_range
+        if start < 0 or length <= 0 or start + length > source.shape[1]:
+            raise ValueError(f"byte range {byte_range} outside a page of {source.shape[1]} B")
+        if length != self._page_bytes:
+            raise ValueError(
+                f"staged page is {length} B but the pool's page_bytes is {self._page_bytes}"
+            )
+        rows = source.index_select(0, index)
+        self.view(slot, n).copy_(rows.narrow(1, start, length))
+        return n
+
+    # ------------------------------------------------------------------ internals
+
+    def _release_unlocked(self, index: int, lease: int) -> int:
+        live = self._leases.get(index)
+        if live is None or live.lease != lease:
+            return 0
+        del self._leases[index]
+        owned = self._by_owner[live.owner]
+        owned.discard(index)
+        if not owned:
+            del self._by_owner[live.owner]
+        self._free.append(index)
+        self._released += 1
+        return 1
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
