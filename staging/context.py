@@ -251,12 +251,10 @@ class StagingContext:
             if state is None:
                 return frozenset()
             requests = state.requests
-            for chunk_idx in chunks:
-                key = (chunk_idx, session_id)
-                if key not in requests:
-                    requests.add(key)
-                    added.append(chunk_idx)
-            if added:
+            fresh = {(c, session_id) for c in chunks} - requests
+            if fresh:
+                requests.update(fresh)  # one atomic call: lock-free readers see all or none
+                added.extend(c for c, _ in fresh)
                 by_room = self._session_rooms.setdefault(session_id, {})
                 by_room[room_id] = by_room.get(room_id, 0) + len(added)
                 self._requested_keys += len(added)
@@ -304,34 +302,44 @@ class StagingContext:
 
     # ------------------------------------------------------------------ readers
 
+    # Point reads take no lock. They are still linearizable: each reads the room's _Room
+    # with one dict lookup and then one field or one set-membership test, each a single
+    # atomic operation (under the GIL, and under free-threaded CPython's per-object locks).
+    # A _Room is mutated only while it is in _rooms and only under the write lock, with every
+    # mutation one atomic call (set.add/remove/update/difference_update, one attribute store);
+    # once purged it is never mutated again. So a read that found the room answers either as
+    # of a moment the room was live (the membership test) or as of its purge, which lies
+    # inside the read's own interval. This is what makes reads cheap (no lock round trip).
+
     def is_open(self, room: RoomRef) -> bool:
-        """``True`` if the room (that generation, for a handle) is open. Thread-safe; read lock.
+        """``True`` if the room (that generation, for a handle) is open. Thread-safe; no lock
+        (a linearizable point read).
 
         Raises:
             TypeError, ValueError: bad ``room``.
         """
         room_id, generation = self._ref(room)
-        with self._lock.read():
-            state = self._rooms.get(room_id)
-            return state is not None and (generation is None or state.generation == generation)
+        state = self._rooms.get(room_id)
+        return state is not None and (generation is None or state.generation == generation)
 
     def is_prefetched(self, room: RoomRef) -> bool:
-        """``True`` if the room is open and marked prefetched. Thread-safe; read lock.
+        """``True`` if the room is open and marked prefetched. Thread-safe; no lock
+        (a linearizable point read).
 
         Raises:
             TypeError, ValueError: bad ``room``.
         """
         room_id, generation = self._ref(room)
-        with self._lock.read():
-            state = self._rooms.get(room_id)
-            return (
-                state is not None
-                and (generation is None or state.generation == generation)
-                and state.prefetched
-            )
+        state = self._rooms.get(room_id)
+        return (
+            state is not None
+            and (generation is None or state.generation == generation)
+            and state.prefetched
+        )
 
     def is_requested(self, room: RoomRef, chunk_idx: int, session_id: str) -> bool:
-        """``True`` if the key is recorded for the open room. Thread-safe; read lock.
+        """``True`` if the key is recorded for the open room. Thread-safe; no lock
+        (a linearizable point read).
 
         Raises:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
@@ -339,13 +347,12 @@ class StagingContext:
         room_id, generation = self._ref(room)
         check_chunk_idx(chunk_idx)
         check_session_id(session_id)
-        with self._lock.read():
-            state = self._rooms.get(room_id)
-            return (
-                state is not None
-                and (generation is None or state.generation == generation)
-                and (chunk_idx, session_id) in state.requests
-            )
+        state = self._rooms.get(room_id)
+        return (
+            state is not None
+            and (generation is None or state.generation == generation)
+            and (chunk_idx, session_id) in state.requests
+        )
 
     def handle(self, room: int) -> RoomHandle | None:
         """The handle of the open ``room``, or ``None``. Thread-safe; read lock.
