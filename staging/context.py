@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from staging.errors import RoomAlreadyOpenError
 from staging.locks import LockLevel, LockStats, MutexLock, RWLock, make_lock
-from staging.validate import check_chunk_idx, check_room_id, check_session_id
+from staging.validate import check_chunk_idx, check_index, check_room_id, check_session_id
 
 PrefetchKey = tuple[int, int, str]
 """``(room, chunk_idx, session_id)``: the key engines store in ``prefetch_requested``."""
@@ -34,10 +34,18 @@ RoomKey = tuple[int, str]
 
 @dataclass(frozen=True, slots=True)
 class RoomHandle:
-    """One opening of a room: ``(room, generation)``. Generations are unique per context."""
+    """One opening of a room: ``(room, generation)``. Generations are unique per context.
+
+    Raises:
+        TypeError, ValueError: ``room`` or ``generation`` is not an ``int`` >= 0.
+    """
 
     room: int
     generation: int
+
+    def __post_init__(self) -> None:
+        check_room_id(self.room)
+        check_index(self.generation, "generation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,11 +444,11 @@ class StagingContext:
     @staticmethod
     def _ref(room: RoomRef) -> tuple[int, int | None]:
         """Validate a room reference; ``(room_id, generation or None)``. No lock."""
-        if isinstance(room, RoomHandle):
-            check_room_id(room.room)
+        if type(room) is int and room >= 0:
+            return room, None
+        if isinstance(room, RoomHandle):  # validated when it was made
             return room.room, room.generation
-        check_room_id(room)
-        return room, None
+        return check_room_id(room), None
 
     def _live_quiet(self, room_id: int, generation: int | None) -> _Room | None:
         """The open room matching the reference, or ``None``. Caller holds the lock."""

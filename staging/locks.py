@@ -72,7 +72,13 @@ def _new_thread_lock() -> threading.Lock:
 
 @dataclass(frozen=True)
 class LockStats:
-    """A snapshot of one lock's counters (exact for writes, exact for reads)."""
+    """A snapshot of one lock's counters.
+
+    ``contended`` counts acquisitions that found the lock busy; it is measured for a
+    :class:`MutexLock` and, in debug mode, for an :class:`RWLock` (outside debug mode an
+    RWLock skips the try-acquire that would measure it: in ``readerwriterlock`` that try
+    costs more than the acquisition itself), and is 0 otherwise.
+    """
 
     name: str
     kind: LockKind
@@ -139,7 +145,9 @@ def held_locks() -> tuple[tuple[str, LockMode], ...]:
 
 
 class _Guard:
-    """One acquisition of a lock in one mode; a context manager, used once."""
+    """Acquisition of a lock in one mode, as a context manager. Stateless apart from what it
+    wraps: an RWLock makes one per use (around a fresh generated lock object), a MutexLock
+    reuses one per mode."""
 
     __slots__ = ("_inner", "_lock", "_mode")
 
@@ -164,6 +172,7 @@ class _LockBase:
     """Shared acquire/release logic: timeouts, counters, debug tracking."""
 
     kind: LockKind
+    _exclusive_only: bool
 
     def __init__(
         self, name: str, level: int, *, timeout: float | None = None, debug: bool | None = None
@@ -179,6 +188,7 @@ class _LockBase:
         self._timeout = timeout
         self._timeout_arg: float = -1 if timeout is None else float(timeout)
         self._debug = debug_from_env() if debug is None else bool(debug)
+        self._count_contention = self._debug or self._exclusive_only
         # Thread ident of the exclusive holder (write mode, or any mode of a mutex), or None.
         # Written only by the holder, after acquiring and before releasing.
         self._owner: int | None = None
@@ -212,20 +222,25 @@ class _LockBase:
 
     # -- acquisition -------------------------------------------------------------------
 
-    def _exclusive(self, mode: LockMode) -> bool:
-        raise NotImplementedError
-
     def _acquire(self, inner: _Acquirable, mode: LockMode) -> None:
         if self._debug:
             self._check_order(mode)
-        if not inner.acquire(False):
+        # Contention is counted where a try-acquire is cheap (a threading.Lock, or any lock
+        # in debug mode). readerwriterlock's non-blocking acquire costs more than the
+        # blocking one (deadline arithmetic), so a non-debug RWLock goes straight to it.
+        if self._count_contention and not inner.acquire(False):
             with self._stats_lock:
                 self._contended += 1
-            if not inner.acquire(True, self._timeout_arg):
-                with self._stats_lock:
-                    self._timeouts += 1
-                raise LockTimeoutError(self._name, mode, self._timeout_arg)
-        if self._exclusive(mode):
+            acquired = inner.acquire(True, self._timeout_arg)
+        elif self._count_contention:
+            acquired = True
+        else:
+            acquired = inner.acquire(True, self._timeout_arg)
+        if not acquired:
+            with self._stats_lock:
+                self._timeouts += 1
+            raise LockTimeoutError(self._name, mode, self._timeout_arg)
+        if self._exclusive_only or mode == "write":
             self._owner = threading.get_ident()
             if mode == "write":
                 self._writes += 1
@@ -244,7 +259,7 @@ class _LockBase:
                 if held[i][0] is self:
                     del held[i]
                     break
-        if self._exclusive(mode):
+        if self._exclusive_only or mode == "write":
             self._owner = None
         inner.release()
 
@@ -274,7 +289,7 @@ class _LockBase:
             raise LockNotHeldError(f"{self._name!r} is not held for {mode} by this thread")
         if self._owner == me:
             return
-        if mode == "read" and not self._exclusive("read") and self._held_by_anyone():
+        if mode == "read" and not self._exclusive_only and self._held_by_anyone():
             return
         raise LockNotHeldError(f"{self._name!r} is not held for {mode} by this thread")
 
@@ -303,15 +318,13 @@ class RWLock(_LockBase):
     """
 
     kind: LockKind = "rw"
+    _exclusive_only = False
 
     def __init__(
         self, name: str, level: int, *, timeout: float | None = None, debug: bool | None = None
     ) -> None:
         super().__init__(name, level, timeout=timeout, debug=debug)
         self._rw = rwlock.RWLockFair(lock_factory=_new_thread_lock)
-
-    def _exclusive(self, mode: LockMode) -> bool:
-        return mode == "write"
 
     def _held_by_anyone(self) -> bool:
         probe = self._rw.gen_wlock()
@@ -336,26 +349,28 @@ class MutexLock(_LockBase):
     """
 
     kind: LockKind = "mutex"
+    _exclusive_only = True
 
     def __init__(
         self, name: str, level: int, *, timeout: float | None = None, debug: bool | None = None
     ) -> None:
         super().__init__(name, level, timeout=timeout, debug=debug)
         self._mutex = _new_thread_lock()
-
-    def _exclusive(self, mode: LockMode) -> bool:
-        return True
+        # A mutex guard carries no per-use state, so one instance per mode serves every use
+        # and every thread (unlike readerwriterlock's generated lock objects).
+        self._read_guard = _Guard(self, self._mutex, "read")
+        self._write_guard = _Guard(self, self._mutex, "write")
 
     def _held_by_anyone(self) -> bool:
         return self._mutex.locked()
 
     def read(self) -> _Guard:
         """Hold (exclusively). Raises: LockTimeoutError, LockReentryError, LockOrderError."""
-        return _Guard(self, self._mutex, "read")
+        return self._read_guard
 
     def write(self) -> _Guard:
         """Hold exclusively. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
-        return _Guard(self, self._mutex, "write")
+        return self._write_guard
 
 
 LOCK_KINDS: tuple[LockKind, ...] = ("rw", "mutex")

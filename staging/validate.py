@@ -15,6 +15,8 @@ def check_index(value: object, what: str) -> int:
         TypeError: not an ``int``, or a ``bool``.
         ValueError: negative.
     """
+    if type(value) is int and value >= 0:  # the common case, checked first
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int >= 0, got {type(value).__name__} {value!r}")
     if value < 0:
@@ -34,6 +36,8 @@ def check_chunk_idx(chunk_idx: object) -> int:
 
 def check_session_id(session_id: object) -> str:
     """A session id (decode peer): non-empty ``str``. Raises: TypeError, ValueError."""
+    if type(session_id) is str and session_id:
+        return session_id
     if not isinstance(session_id, str):
         raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
     if not session_id:
