@@ -1,0 +1,295 @@
+"""Shared benchmark machinery: result objects, interleaved median-of-rounds timing, tables.
+
+A benchmark is a function ``run(quick: bool) -> BenchResult``. It measures every variant it
+compares *side by side in the same run*: :func:`interleave` runs each measurement cell once
+per round, rotating which cell goes first, so slow drift of a noisy machine (other jobs,
+frequency changes) hits every variant alike. Tables show the median over rounds; ratios are
+the median of the per-round ratios (a round's cells ran seconds apart, so their ratio cancels
+most of the drift). Speed is only ever reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Literal
+
+Cell = str | int | float | None
+"""One table cell: numbers are formatted by :func:`format_cell`, ``None`` prints ``-``."""
+
+JSONValue = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
+
+Status = Literal["ok", "pending", "error"]
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A ratio of two variants measured in the same run.
+
+    ``value`` is the median over rounds of the per-round ratio (``None`` if not measured).
+    ``meaning`` says how to read it, e.g. ``"upstream / ours; > 1 means ours is faster"``.
+    """
+
+    name: str
+    value: float | None
+    meaning: str
+
+    def to_json(self) -> dict[str, JSONValue]:
+        return {"name": self.name, "value": self.value, "meaning": self.meaning}
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A goal of the benchmark and whether this run met it (a report line, never asserted).
+
+    ``met`` is ``None`` when this run did not measure what the goal is about (e.g. the
+    largest size is skipped by ``--quick``).
+    """
+
+    text: str
+    met: bool | None
+    detail: str
+
+    @property
+    def verdict(self) -> str:
+        return {True: "MET", False: "NOT MET", None: "N/A"}[self.met]
+
+    def to_json(self) -> dict[str, JSONValue]:
+        return {"text": self.text, "met": self.met, "verdict": self.verdict, "detail": self.detail}
+
+
+@dataclass
+class BenchResult:
+    """Everything one benchmark reports: a table of medians, ratios, goal lines and notes.
+
+    ``rows`` are dicts keyed by ``columns`` (the table shows them in that order).
+    ``samples`` holds the raw per-round values of every measured cell, for ``--json``.
+    ``ratios_in_table`` says the table already shows every ratio (the list is then not
+    printed again; it still goes to ``--json``).
+    """
+
+    name: str
+    title: str
+    columns: list[str] = field(default_factory=list)
+    rows: list[dict[str, Cell]] = field(default_factory=list)
+    ratios: list[Ratio] = field(default_factory=list)
+    goals: list[Goal] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    params: dict[str, JSONValue] = field(default_factory=dict)
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, JSONValue] = field(default_factory=dict)
+    """Other measured data for ``--json`` (e.g. lock contention shares per round)."""
+    status: Status = "ok"
+    elapsed_s: float = 0.0
+    ratios_in_table: bool = False
+
+    def to_json(self) -> dict[str, JSONValue]:
+        samples: dict[str, JSONValue] = {k: list(v) for k, v in self.samples.items()}
+        rows: list[JSONValue] = [dict(row) for row in self.rows]
+        return {
+            "name": self.name,
+            "title": self.title,
+            "status": self.status,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "params": dict(self.params),
+            "columns": list(self.columns),
+            "rows": rows,
+            "ratios": [r.to_json() for r in self.ratios],
+            "goals": [g.to_json() for g in self.goals],
+            "notes": list(self.notes),
+            "samples": samples,
+            "extra": dict(self.extra),
+        }
+
+    def render(self) -> str:
+        """The human-readable report: table, ratios, goal lines, notes."""
+        out: list[str] = []
+        if self.columns and self.rows:
+            out.append(format_table(self.columns, self.rows))
+        if self.ratios and self.ratios_in_table:
+            out.append("ratios (/ref columns) are medians of per-round ratios")
+        elif self.ratios:
+            out.append("ratios (median of per-round ratios):")
+            width = max(len(r.name) for r in self.ratios)
+            for r in self.ratios:
+                out.append(f"  {r.name:<{width}}  {format_ratio(r.value):>8}   {r.meaning}")
+        for g in self.goals:
+            out.append(f"goal [{g.verdict}] {g.text}: {g.detail}")
+        for note in self.notes:
+            out.append(f"note: {note}")
+        return "\n".join(out)
+
+
+def pending_result(name: str, title: str, reason: str) -> BenchResult:
+    """The result of a benchmark that cannot run yet (a registered placeholder)."""
+    return BenchResult(name=name, title=title, status="pending", notes=[f"pending: {reason}"])
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Disable the cyclic GC for a timed region (as ``timeit`` does); restore it after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def interleave(
+    cells: Sequence[tuple[str, Callable[[], float]]],
+    rounds: int,
+    *,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Run every cell once per round and collect what each returns (e.g. ns per op).
+
+    Round ``r`` starts with cell ``r mod len(cells)`` and goes round in order, so no cell is
+    always first or always after the same neighbour. ``warmup`` extra rounds run first and
+    are discarded. A full ``gc.collect()`` runs before each round, outside every cell.
+
+    Raises:
+        ValueError: ``rounds`` < 1, ``warmup`` < 0, or duplicate cell labels.
+    """
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"need rounds >= 1 and warmup >= 0, got {rounds}, {warmup}")
+    labels = [label for label, _ in cells]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"duplicate cell labels: {labels}")
+    samples: dict[str, list[float]] = {label: [] for label in labels}
+    n = len(cells)
+    for r in range(-warmup, rounds):
+        gc.collect()
+        for i in range(n):
+            label, measure = cells[(r + i) % n]
+            value = measure()
+            if r >= 0:
+                samples[label].append(value)
+    return samples
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of a non-empty sequence."""
+    return float(statistics.median(values))
+
+
+def median_ratio(num: Sequence[float], den: Sequence[float]) -> float | None:
+    """Median over rounds of ``num[r] / den[r]`` (the rounds ran side by side).
+
+    ``None`` if either side is empty or every denominator is zero.
+    """
+    pairs = [a / b for a, b in zip(num, den, strict=False) if b > 0]
+    return median(pairs) if pairs else None
+
+
+def timer_overhead_ns(samples: int = 2001) -> float:
+    """Median cost of one back-to-back ``perf_counter_ns()`` pair, to subtract from tiny spans."""
+    clock = time.perf_counter_ns
+    spans = []
+    for _ in range(samples):
+        t0 = clock()
+        t1 = clock()
+        spans.append(t1 - t0)
+    return median(spans)
+
+
+# ---------------------------------------------------------------------------- formatting
+
+
+def format_cell(value: Cell) -> str:
+    """Numbers with about three significant digits; ``None`` as ``-``; strings as is."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        magnitude = abs(value)
+        if magnitude >= 1000:
+            return f"{value:,.0f}"
+        if magnitude >= 100:
+            return f"{value:.0f}"
+        if magnitude >= 10:
+            return f"{value:.1f}"
+        return f"{value:.2f}"
+    return value
+
+
+def format_ratio(value: float | None) -> str:
+    """``12.3x`` / ``0.85x``; ``-`` when unknown."""
+    if value is None:
+        return "-"
+    return f"{format_cell(float(value))}x"
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Mapping[str, Cell]]) -> str:
+    """A plain-text table: text cells left-aligned, numbers right-aligned."""
+    text = [[format_cell(row.get(col)) for col in columns] for row in rows]
+    numeric = [
+        all(isinstance(row.get(col), int | float) or row.get(col) is None for row in rows)
+        for col in columns
+    ]
+    widths = [max([len(col)] + [len(r[i]) for r in text]) for i, col in enumerate(columns)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            c.rjust(w) if num else c.ljust(w)
+            for c, w, num in zip(cells, widths, numeric, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    out = [line(list(columns)), line(["-" * w for w in widths])]
+    out.extend(line(r) for r in text)
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------- environment
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> dict[str, str]:
+    """Versions and machine facts, read without importing torch or nixl (both are slow or noisy
+    to import)."""
+    try:
+        usable = str(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        usable = "?"
+    gil_check = getattr(sys, "_is_gil_enabled", None)
+    gil = "enabled" if gil_check is None or gil_check() else "disabled"
+    return {
+        "python": f"{platform.python_version()} ({platform.python_implementation()})",
+        "torch": _version("torch"),
+        "nixl": _version("nixl"),
+        "readerwriterlock": _version("readerwriterlock"),
+        "numpy": _version("numpy"),
+        "cores": f"{os.cpu_count()} ({usable} usable)",
+        "platform": platform.platform(),
+        "gil": gil,
+        "switch_interval_s": f"{sys.getswitchinterval():g}",
+        "NIXL_STAGING_DEBUG_LOCKS": os.environ.get("NIXL_STAGING_DEBUG_LOCKS", "(unset)"),
+    }
+
+
+def format_environment(env: Mapping[str, str]) -> str:
+    """One line per fact, aligned."""
+    width = max(len(k) for k in env)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in env.items())

@@ -1,0 +1,75 @@
+"""The benchmarks ``python -m bench`` knows, by name, in run order.
+
+Each entry names a module with a ``run(quick: bool) -> BenchResult`` function. Modules are
+imported only when their benchmark runs, so ``python -m bench purge-scaling`` never imports
+torch or nixl. To add a benchmark: write the module (see ``bench/purge_scaling.py`` for the
+shape) and add a :class:`BenchSpec` here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from bench._harness import BenchResult
+
+
+class BenchFn(Protocol):
+    """A benchmark: ``quick`` selects the short preset (whole ``--quick`` run < 1 minute)."""
+
+    def __call__(self, quick: bool) -> BenchResult: ...
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """A registered benchmark: its CLI name, module and one-line summary."""
+
+    name: str
+    module: str
+    summary: str
+
+    def load(self) -> BenchFn:
+        """Import the module and return its ``run``.
+
+        Raises:
+            ImportError: the module cannot be imported.
+            TypeError: the module has no callable ``run``.
+        """
+        module = importlib.import_module(self.module)
+        run = getattr(module, "run", None)
+        if not callable(run):
+            raise TypeError(f"{self.module} has no callable run(quick)")
+        fn: BenchFn = run
+        return fn
+
+
+BENCHMARKS: tuple[BenchSpec, ...] = (
+    BenchSpec(
+        "purge-scaling",
+        "bench.purge_scaling",
+        "purge_room cost vs live rooms: StagingContext vs the upstream bare-set pattern",
+    ),
+    BenchSpec(
+        "lifecycle",
+        "bench.lifecycle",
+        "room lifecycle bookkeeping, 1-8 threads: rw / mutex / threading.Lock reference",
+    ),
+    BenchSpec(
+        "transfer-share",
+        "bench.transfer_share",
+        "(pending) share of a transfer's time spent in staging bookkeeping",
+    ),
+    BenchSpec(
+        "throughput",
+        "bench.throughput",
+        "(pending) end-to-end sender throughput over NIXL",
+    ),
+    BenchSpec(
+        "stress-rooms",
+        "bench.stress_rooms",
+        "(pending) many concurrent rooms through the sender",
+    ),
+)
+
+BY_NAME: dict[str, BenchSpec] = {spec.name: spec for spec in BENCHMARKS}

@@ -1,0 +1,153 @@
+"""Smoke tests of the benchmark package: tiny sizes, result structure only.
+
+Nothing here asserts anything about speed: benchmarks report, they never judge.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import staging.context as staging_context
+import staging.validate as staging_validate
+from bench import lifecycle, purge_scaling
+from bench import lifecycle_profile as prof
+from bench._harness import BenchResult, Goal, interleave, median_ratio
+from bench._registry import BENCHMARKS, BY_NAME
+from bench.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parent.parent
+PENDING = ("transfer-share", "throughput", "stress-rooms")
+
+
+def _check_structure(result: BenchResult) -> None:
+    assert result.status == "ok"
+    assert result.columns and result.rows
+    for row in result.rows:
+        assert set(row) == set(result.columns)
+    assert result.ratios
+    assert result.goals and all(isinstance(g, Goal) for g in result.goals)
+    assert all(g.verdict in {"MET", "NOT MET", "N/A"} for g in result.goals)
+    assert result.samples and all(result.samples.values())
+    doc = json.loads(json.dumps(result.to_json()))
+    assert doc["name"] == result.name
+    assert len(doc["rows"]) == len(result.rows)
+    assert result.render()
+
+
+def test_purge_scaling_tiny() -> None:
+    preset = purge_scaling.Preset(
+        sizes=(20, 200), rounds=2, ours_purges=5, upstream_key_budget=1_000, max_upstream_purges=3
+    )
+    result = purge_scaling.measure(preset)
+    _check_structure(result)
+    assert [row["live rooms"] for row in result.rows] == [20, 200]
+    assert {g.met for g in result.goals[1:]} == {None}  # 100k rooms not measured
+    for variant in purge_scaling.VARIANTS:
+        assert len(result.samples[f"{variant} us/purge @200"]) == 2
+
+
+def test_lifecycle_tiny() -> None:
+    result = lifecycle.measure(lifecycle.Preset(threads=(1, 2), lifecycles=8, rounds=2))
+    _check_structure(result)
+    assert [row["variant"] for row in result.rows] == list(lifecycle.VARIANTS)
+    assert len(result.samples) == len(lifecycle.VARIANTS) * 2
+    reference = next(r for r in result.rows if r["variant"] == lifecycle.REFERENCE)
+    assert reference["/ref t=1"] == 1.0
+    shares = result.extra["contended_share"]
+    assert isinstance(shares, dict)
+    contexts = ("rw", "mutex", "rw-batch", "mutex-batch")
+    assert set(shares) == {f"{v} t={t}" for v in contexts for t in (1, 2)}
+
+
+@pytest.mark.parametrize("variant", lifecycle.VARIANTS)
+def test_lifecycle_variants_leave_no_rooms(variant: str) -> None:
+    work = lifecycle.make_work(variant)
+    work(range(5))
+    work(range(5))  # rooms were purged: reopening them must work
+
+
+def test_lifecycle_profile_tiny_and_restores_validators() -> None:
+    assert set(prof.ablation(5, 1)) >= {"rw (shipped)", "no lock", "lock-ref"}
+    assert "threading.Lock with" in prof.micro(20, 1)
+    assert prof.profile(5)
+    what_if = prof.what_if(5, 1)  # empty (and says so) once staging's lock internals change
+    assert not what_if or set(what_if) >= {"rw (shipped)", "mutex (shipped)", "lock-ref"}
+    assert prof.acquisitions_per_lifecycle(5)[0] > 0
+    for name in prof.VALIDATORS:  # the ablation patched them for a cell only
+        assert getattr(staging_context, name) is getattr(staging_validate, name)
+
+
+def test_interleave_rotates_and_collects() -> None:
+    calls: list[str] = []
+
+    def cell(label: str) -> tuple[str, Callable[[], float]]:
+        def measure() -> float:
+            calls.append(label)
+            return 1.0
+
+        return label, measure
+
+    samples = interleave([cell("a"), cell("b"), cell("c")], rounds=3, warmup=1)
+    assert samples == {"a": [1.0] * 3, "b": [1.0] * 3, "c": [1.0] * 3}
+    assert calls[3:6] == ["a", "b", "c"] and calls[6:9] == ["b", "c", "a"]
+    assert median_ratio([2.0, 4.0, 6.0], [1.0, 2.0, 0.0]) == 2.0
+    assert median_ratio([], []) is None
+
+
+def test_registry_has_all_five() -> None:
+    assert [spec.name for spec in BENCHMARKS] == [
+        "purge-scaling",
+        "lifecycle",
+        *PENDING,
+    ]
+    for spec in BENCHMARKS:
+        assert callable(spec.load())
+
+
+@pytest.mark.parametrize("name", PENDING)
+def test_placeholders_report_pending(name: str) -> None:
+    result = BY_NAME[name].load()(True)
+    assert result.status == "pending"
+    assert any("needs the NIXL sender" in note for note in result.notes)
+
+
+def test_cli_json_and_unknown_name(tmp_path: Path) -> None:
+    out = io.StringIO()
+    path = tmp_path / "bench.json"
+    assert main(["--quick", *PENDING, "--json", str(path)], out=out) == 0
+    text = out.getvalue()
+    assert "readerwriterlock" in text and "pending: needs the NIXL sender" in text
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    assert doc["mode"] == "quick"
+    assert {"python", "torch", "nixl", "readerwriterlock", "cores", "platform"} <= set(
+        doc["environment"]
+    )
+    assert [r["name"] for r in doc["results"]] == list(PENDING)
+    with pytest.raises(SystemExit) as exc:
+        main(["no-such-bench"], out=io.StringIO())
+    assert exc.value.code == 2
+
+
+def test_module_entry_point_lists() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--list"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert all(spec.name in proc.stdout for spec in BENCHMARKS)
