@@ -1,0 +1,90 @@
+"""The one place in the package that imports NIXL.
+
+Importing ``nixl`` has two process-wide side effects that we contain here:
+
+* its logging setup prints INFO lines to **stdout** unless ``NIXL_LOG_LEVEL`` is set, so we
+  default the variable to ``WARN`` before the import (an explicit user setting wins);
+* it sets ``logging.raiseExceptions = False`` for the whole process, so we save the value
+  before the import and restore it afterwards.
+
+``import nixl`` is a meta package: it picks the backend wheel (``nixl_cu13``, ``nixl_cu12``,
+...) by probing CUDA, and with a CPU-only torch that probe imports torch (~2 s). A process
+that already knows which backend its parent resolved can name it in the environment variable
+``NIXL_STAGING_NIXL_BACKEND`` (``PeerProcess`` does this for its children), and we import
+that backend module directly — the same classes, without the probe.
+
+Every other module gets NIXL through the names below. When NIXL cannot be imported
+(``AVAILABLE`` is False) the names are ``None`` and :data:`IMPORT_ERROR` holds the reason;
+``sender.errors`` still imports, and :class:`sender.transport.NixlTransport` raises a clear
+error on construction.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "AVAILABLE",
+    "BACKEND_ENV",
+    "BACKEND_MODULE",
+    "IMPORT_ERROR",
+    "bindings",
+    "nixl_agent",
+    "nixl_agent_config",
+    "nixl_thread_sync_t",
+    "require",
+]
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+BACKEND_ENV = "NIXL_STAGING_NIXL_BACKEND"
+_BACKEND_RE = re.compile(r"nixl_(cu[0-9]+|rocm)")
+
+bindings: ModuleType | None
+nixl_agent: Any
+nixl_agent_config: Any
+nixl_thread_sync_t: Any
+IMPORT_ERROR: BaseException | None
+
+_saved_raise_exceptions = logging.raiseExceptions
+try:
+    _named = os.environ.get(BACKEND_ENV, "")
+    _package = _named if _BACKEND_RE.fullmatch(_named) else "nixl"
+    _bindings_mod = importlib.import_module(f"{_package}._bindings")
+    _api_mod = importlib.import_module(f"{_package}._api")
+except ImportError as _exc:  # NIXL not installed or no backend wheel for this platform
+    bindings = None
+    nixl_agent = None
+    nixl_agent_config = None
+    nixl_thread_sync_t = None
+    IMPORT_ERROR = _exc
+else:
+    bindings = _bindings_mod
+    nixl_agent = _api_mod.nixl_agent
+    nixl_agent_config = _api_mod.nixl_agent_config
+    nixl_thread_sync_t = _api_mod.nixl_thread_sync_t
+    IMPORT_ERROR = None
+finally:
+    logging.raiseExceptions = _saved_raise_exceptions
+
+AVAILABLE: bool = bindings is not None
+# The backend package actually in use (e.g. "nixl_cu13"); "" when NIXL is unavailable.
+BACKEND_MODULE: str = bindings.__name__.rpartition(".")[0] if bindings is not None else ""
+
+
+def require() -> ModuleType:
+    """Return the NIXL bindings module.
+
+    Thread-safety: safe from any thread (reads module constants only).
+
+    Raises:
+        ImportError: NIXL could not be imported in this process; chained to the original error.
+    """
+    if bindings is None:
+        raise ImportError(f"NIXL is not available: {IMPORT_ERROR!r}") from IMPORT_ERROR
+    return bindings

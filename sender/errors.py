@@ -1,0 +1,213 @@
+"""Exceptions of the KV sender and the classification of NIXL's exceptions.
+
+Two families matter to callers:
+
+* **Transport errors** — "this peer / this transfer is gone": the caller fails the affected
+  room(s) and carries on. :data:`TRANSPORT_ERRORS` is the tuple to catch, :func:`classify`
+  the predicate. It contains NIXL's own classes (a killed peer raises
+  ``nixlRemoteDisconnectError``; a removed one ``nixlNotFoundError``) and ours.
+* **Programming errors** — bad page indices, mismatched lengths, NIXL's
+  ``nixlInvalidParamError`` and friends: :class:`TransportParamError`, a ``ValueError``. These
+  are bugs in the caller and are never in :data:`TRANSPORT_ERRORS`.
+
+NIXL's exception classes all subclass ``Exception`` directly (not ``RuntimeError``) and their
+message is just the status name, e.g. ``"NIXL_ERR_REMOTE_DISCONNECT"``.
+"""
+
+from __future__ import annotations
+
+from sender import _nixl
+
+__all__ = [
+    "KVTransferError",
+    "PARAM_ERRORS",
+    "PeerNotFoundError",
+    "TRANSPORT_ERRORS",
+    "TransferFailedError",
+    "TransferReleasedError",
+    "TransferTimeoutError",
+    "TransportClosedError",
+    "TransportError",
+    "TransportParamError",
+    "as_param_error",
+    "classify",
+    "status_name",
+]
+
+
+class TransportError(Exception):
+    """Base class of the transport's own errors (see the subclasses)."""
+
+
+class TransferTimeoutError(TransportError):
+    """A transfer was still in progress when its deadline passed.
+
+    NIXL never detects a hung (e.g. SIGSTOPped) peer: such a transfer stays ``"PROC"``
+    forever, so the deadline is ours. The handle is still live after this error; release it
+    (and usually ``remove_peer``) — data may still land until the peer is removed.
+
+    Attributes:
+        session_id: The session the transfer was addressed to.
+        timeout_s: The deadline the transfer was given, in seconds from its start.
+    """
+
+    def __init__(self, session_id: str, timeout_s: float) -> None:
+        super().__init__(f"transfer to session {session_id!r} not done within {timeout_s:g} s")
+        self.session_id = session_id
+        self.timeout_s = timeout_s
+
+
+class TransferFailedError(TransportError):
+    """NIXL reported a failed transfer through a status value instead of an exception.
+
+    NIXL 1.5.1's Python wrapper maps unexpected status codes to the string ``"ERR"``; we turn
+    that into this exception so that a failed transfer can never look like a pending one.
+    """
+
+
+class TransportClosedError(TransportError):
+    """The transport was closed; nothing can be started on it any more.
+
+    It is a member of :data:`TRANSPORT_ERRORS`: a worker that races with shutdown sees its
+    transfer "gone", exactly like a transfer to a dead peer.
+    """
+
+
+class PeerNotFoundError(TransportError):
+    """No peer with this session id is known to the transport.
+
+    Chosen as a :class:`TransportError` (and a member of :data:`TRANSPORT_ERRORS`) rather than
+    a ``KeyError``: a session is unknown either because it was never added (a bug, which tests
+    catch) or because another thread removed it after a failure — at run time the second case
+    dominates, and for the caller it means the same as NIXL's ``nixlNotFoundError`` for a
+    removed remote agent: the peer is gone.
+
+    Attributes:
+        session_id: The unknown session id.
+    """
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"unknown session {session_id!r} (never added, or removed)")
+        self.session_id = session_id
+
+
+class TransferReleasedError(TransportError):
+    """``poll()``/``wait()`` was called on a transfer that was already released.
+
+    NIXL would answer a bogus ``"DONE"`` for a released handle (use-after-free), so the
+    transport refuses the call without touching NIXL. This is a caller bug, not a transport
+    failure, and it is deliberately *not* in :data:`TRANSPORT_ERRORS`.
+    """
+
+
+class TransportParamError(ValueError):
+    """A programming error: bad page indices, mismatched lengths, bad metadata, or a NIXL
+    parameter error (``nixlInvalidParamError`` and the other non-transport statuses).
+
+    The message names the NIXL status when one is involved.
+
+    Attributes:
+        status: NIXL status name (e.g. ``"NIXL_ERR_INVALID_PARAM"``) or ``None``.
+    """
+
+    def __init__(self, message: str, status: str | None = None) -> None:
+        super().__init__(f"{message} [{status}]" if status else message)
+        self.status = status
+
+
+class KVTransferError(RuntimeError):
+    """A KV transfer of one room failed (raised by the sender to its caller).
+
+    Attributes:
+        room: The room (request) id.
+        reason: Human-readable cause.
+        is_from_another_rank: True when the failure was reported by another rank of the same
+            request rather than observed locally.
+    """
+
+    def __init__(self, room: int, reason: str, is_from_another_rank: bool = False) -> None:
+        super().__init__(f"KV transfer failed for room {room}: {reason}")
+        self.room = room
+        self.reason = reason
+        self.is_from_another_rank = is_from_another_rank
+
+    def __reduce__(self) -> tuple[type[KVTransferError], tuple[int, str, bool]]:
+        return (type(self), (self.room, self.reason, self.is_from_another_rank))
+
+
+def _nixl_classes(*names: str) -> tuple[type[BaseException], ...]:
+    b = _nixl.bindings
+    if b is None:
+        return ()
+    found: list[type[BaseException]] = []
+    for n in names:
+        cls = getattr(b, n, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            found.append(cls)
+    return tuple(found)
+
+
+_OURS: tuple[type[BaseException], ...] = (
+    TransferTimeoutError,
+    TransferFailedError,
+    TransportClosedError,
+    PeerNotFoundError,
+)
+
+TRANSPORT_ERRORS: tuple[type[BaseException], ...]
+if _nixl.AVAILABLE:
+    TRANSPORT_ERRORS = (
+        *_nixl_classes(
+            "nixlRemoteDisconnectError",
+            "nixlBackendError",
+            "nixlCancelledError",
+            "nixlNotFoundError",
+        ),
+        *_OURS,
+    )
+else:
+    # Without NIXL there are no NIXL classes to catch. RuntimeError stands in for them so
+    # code paths that catch TRANSPORT_ERRORS still type-check and behave sensibly in tests.
+    # NOTE: NIXL's real exception classes subclass Exception directly, NOT RuntimeError;
+    # never rely on `except RuntimeError` to catch them when NIXL is installed.
+    TRANSPORT_ERRORS = (RuntimeError, *_OURS)
+
+# NIXL statuses that mean "the caller passed something wrong" (never a dead peer).
+PARAM_ERRORS: tuple[type[BaseException], ...] = _nixl_classes(
+    "nixlInvalidParamError",
+    "nixlMismatchError",
+    "nixlNotAllowedError",
+    "nixlNotPostedError",
+    "nixlNotSupportedError",
+    "nixlRepostActiveError",
+)
+
+
+def classify(exc: BaseException) -> bool:
+    """Return True if ``exc`` means "this peer or transfer is gone" (a transport error).
+
+    Thread-safety: pure function, safe from any thread.
+    """
+    return isinstance(exc, TRANSPORT_ERRORS)
+
+
+def status_name(exc: BaseException) -> str:
+    """The NIXL status name carried by a NIXL exception (its message), else the class name.
+
+    Thread-safety: pure function, safe from any thread.
+    """
+    text = str(exc)
+    return text if text.startswith("NIXL_") else type(exc).__name__
+
+
+def as_param_error(exc: BaseException, context: str) -> TransportParamError | None:
+    """Convert a NIXL parameter-type exception into :class:`TransportParamError`.
+
+    Returns ``None`` when ``exc`` is not one of :data:`PARAM_ERRORS` (the caller then
+    re-raises the original). The caller should ``raise result from exc``.
+
+    Thread-safety: pure function, safe from any thread.
+    """
+    if PARAM_ERRORS and isinstance(exc, PARAM_ERRORS):
+        return TransportParamError(context, status=status_name(exc))
+    return None

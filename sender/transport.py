@@ -1,0 +1,1151 @@
+"""`NixlTransport`: the only module that talks to NIXL (through :mod:`sender._nixl`).
+
+One transport = one NIXL agent with the UCX backend, created with
+``NIXL_THREAD_SYNC_STRICT``: NIXL's default sync mode (NONE) crashes with SIGSEGV when a few
+threads share an agent; STRICT serialises the agent's calls internally.
+
+Progress thread and idle CPU
+----------------------------
+NIXL 1.5.1's Python wrapper hard-codes ``pthrDelay=0`` on the binding's agent config, so its
+progress thread spins a full core per agent — two idle agents starve a 2-core machine. We
+keep NIXL's progress thread (peers need it: without one, a receiver must call
+``get_new_notifs()`` continuously or incoming transfers and notifications stall) but give it a
+delay: the wrapper is built with ``enable_prog_thread=False`` and no backend (so its own
+binding agent never starts a thread or a backend), then its public ``agent`` attribute is
+replaced by a binding agent built from our ``nixlAgentConfig`` (``pthrDelay`` =
+``progress_delay_us``, default 1000 µs), and the UCX backend is created on that one. Every
+wrapper method goes through ``self.agent``, so the rest of the wrapper works unchanged.
+Measured on a 2-core VM (NIXL 1.5.1, no GPU): an idle transport with a registered 16 MiB
+pool costs 1.6-2.0 % of one core (stock config: 100 % per agent, two idle agents 199 %);
+the binding's progress thread alone at ``pthrDelay`` 1000 us is ~1.5-2 %, at 2000 us about
+the same. A 4 KiB ``write_pages`` + ``wait`` + ``release`` takes ~50-130 us median
+(raw NIXL calls ~8-14 us; the rest is validation and descriptor building in Python), because
+transfers to DRAM over UCX/CMA mostly complete inside ``transfer()`` and our own ``poll()``
+drives progress too. ``tests/test_transport.py`` asserts < 5 % idle CPU.
+
+Alternative considered: ``enable_prog_thread=False`` and driving progress ourselves. Then
+every *receiving* agent needs a thread calling ``get_new_notifs()`` every ~1 ms or incoming
+transfers (even the connection set-up) stall; a first transfer to an agent without such a
+pump hung. Keeping NIXL's thread with a delay needs no such pump for progress.
+
+Handle lifetime
+---------------
+NIXL does not guard transfer handles: ``check_xfer_state`` on a released handle returns a
+bogus ``"DONE"`` and releasing twice crashes the process. :class:`Transfer` owns its handle
+behind a per-transfer lock: release happens at most once, and ``poll()`` after release raises
+:class:`~sender.errors.TransferReleasedError` without touching NIXL.
+
+Lock order (never acquire against it): ``NixlTransport._admin_lock`` →
+``Transfer._lock`` → ``NixlTransport._lock``. ``_lock`` is held only for bookkeeping, never
+across a NIXL call; ``Transfer._lock`` is held across that transfer's own NIXL calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from sender import _nixl
+from sender.errors import (
+    PARAM_ERRORS,
+    PeerNotFoundError,
+    TransferFailedError,
+    TransferReleasedError,
+    TransferTimeoutError,
+    TransportClosedError,
+    TransportParamError,
+    as_param_error,
+    classify,
+    status_name,
+)
+
+if TYPE_CHECKING:  # torch is imported lazily: a CPU-only peer process need not pay ~2 s for it
+    import torch
+
+__all__ = [
+    "DEFAULT_PROGRESS_DELAY_US",
+    "DEFAULT_TIMEOUT_S",
+    "NixlTransport",
+    "PageIndices",
+    "PeerMetadata",
+    "RegionInfo",
+    "Transfer",
+    "TransferState",
+    "TransportStats",
+    "decode_metadata",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_PROGRESS_DELAY_US = 1000
+
+TransferState = Literal["DONE", "PROC"]
+PageIndices = Sequence[int] | npt.NDArray[np.integer[Any]]
+
+_MAGIC = b"NXSTG\x01"
+_HEADER_LEN = struct.Struct(">I")
+_MAX_HEADER = 1 << 20
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """One registered memory region as published in metadata.
+
+    Attributes:
+        name: Region name ("kv", "staging", ...).
+        base_addr: Address of page 0 in the owner's address space (or device).
+        nbytes: Region size in bytes (``num_pages * page_bytes``).
+        page_bytes: Size of one page.
+        num_pages: Number of pages.
+        mem_type: NIXL memory type, ``"DRAM"`` or ``"VRAM"``.
+        device_id: CUDA device index for VRAM, 0 for DRAM.
+    """
+
+    name: str
+    base_addr: int
+    nbytes: int
+    page_bytes: int
+    num_pages: int
+    mem_type: str
+    device_id: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "base_addr": self.base_addr,
+            "nbytes": self.nbytes,
+            "page_bytes": self.page_bytes,
+            "num_pages": self.num_pages,
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RegionInfo:
+        if not isinstance(obj, dict):
+            raise TransportParamError("bad region entry in metadata")
+        try:
+            name = obj["name"]
+            ints = [obj[k] for k in ("base_addr", "nbytes", "page_bytes", "num_pages", "device_id")]
+            mem_type = obj["mem_type"]
+        except KeyError as exc:
+            raise TransportParamError(f"region entry lacks {exc}") from None
+        if not isinstance(name, str) or not isinstance(mem_type, str):
+            raise TransportParamError("bad region entry in metadata")
+        if any(type(v) is not int or v < 0 for v in ints):
+            raise TransportParamError(f"bad integer field in region {name!r}")
+        base, nbytes, page_bytes, num_pages, device_id = ints
+        if page_bytes <= 0 or num_pages <= 0 or nbytes != page_bytes * num_pages:
+            raise TransportParamError(f"inconsistent sizes in region {name!r}")
+        if mem_type not in ("DRAM", "VRAM"):
+            raise TransportParamError(f"unsupported mem type {mem_type!r} in region {name!r}")
+        return cls(name, base, nbytes, page_bytes, num_pages, mem_type, device_id)
+
+
+@dataclass(frozen=True)
+class PeerMetadata:
+    """Decoded result of :meth:`NixlTransport.metadata`.
+
+    Attributes:
+        agent_name: The NIXL agent name of the publishing transport.
+        regions: Registered regions by name.
+        agent_blob: NIXL's own agent metadata (``get_agent_metadata()``).
+    """
+
+    agent_name: str
+    regions: dict[str, RegionInfo]
+    agent_blob: bytes
+
+
+def _encode_metadata(agent_name: str, regions: Sequence[RegionInfo], blob: bytes) -> bytes:
+    header = json.dumps(
+        {"agent": agent_name, "regions": [r.to_json() for r in regions]},
+        separators=(",", ":"),
+    ).encode()
+    return _MAGIC + _HEADER_LEN.pack(len(header)) + header + blob
+
+
+def decode_metadata(data: bytes) -> PeerMetadata:
+    """Decode the bytes produced by :meth:`NixlTransport.metadata`.
+
+    Format: ``b"NXSTG\\x01"``, a big-endian u32 header length, a UTF-8 JSON header
+    ``{"agent": str, "regions": [RegionInfo...]}``, then NIXL's agent metadata blob.
+
+    Thread-safety: pure function, safe from any thread.
+
+    Raises:
+        TransportParamError: The bytes are not metadata of this format.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TransportParamError(f"metadata must be bytes, got {type(data).__name__}")
+    data = bytes(data)
+    off = len(_MAGIC)
+    if data[:off] != _MAGIC or len(data) < off + _HEADER_LEN.size:
+        raise TransportParamError("not nixl-staging metadata (bad magic)")
+    (hlen,) = _HEADER_LEN.unpack_from(data, off)
+    off += _HEADER_LEN.size
+    if hlen > _MAX_HEADER or len(data) < off + hlen:
+        raise TransportParamError("truncated metadata header")
+    try:
+        header = json.loads(data[off : off + hlen].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TransportParamError(f"bad metadata header: {exc}") from None
+    blob = data[off + hlen :]
+    if not isinstance(header, dict) or not isinstance(header.get("agent"), str):
+        raise TransportParamError("bad metadata header: no agent name")
+    raw_regions = header.get("regions")
+    if not isinstance(raw_regions, list):
+        raise TransportParamError("bad metadata header: no region list")
+    regions: dict[str, RegionInfo] = {}
+    for raw in raw_regions:
+        info = RegionInfo.from_json(raw)
+        regions[info.name] = info
+    if not blob:
+        raise TransportParamError("metadata has no NIXL agent blob")
+    return PeerMetadata(header["agent"], regions, blob)
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclass(frozen=True)
+class TransportStats:
+    """Snapshot of a transport's counters (see :meth:`NixlTransport.stats`).
+
+    ``transfers_started`` counts successfully posted transfers; each of them ends up in at
+    most one of ``done``/``failed``/``timed_out`` (or none, when released while pending).
+    """
+
+    transfers_started: int
+    transfers_done: int
+    transfers_failed: int
+    transfers_timed_out: int
+    transfers_released: int
+    live_transfers: int
+    peers: int
+    regions: int
+
+
+# --------------------------------------------------------------------------- internals
+
+
+@dataclass(eq=False)
+class _LocalRegion:
+    info: RegionInfo
+    memory: object  # the tensor/array, kept referenced while registered
+    reg_descs: Any  # NIXL registration list, needed to deregister
+
+
+@dataclass(eq=False)
+class _Peer:
+    session_id: str
+    agent_name: str
+    regions: dict[str, RegionInfo]
+    transfers: set[Transfer] = field(default_factory=set)
+
+
+def _as_pages(pages: PageIndices, what: str) -> npt.NDArray[np.int64]:
+    """Validate page indices and return them as a 1-D int64 array (no NIXL involved)."""
+    if isinstance(pages, np.ndarray):
+        if pages.ndim != 1:
+            raise TransportParamError(f"{what} must be 1-D, got shape {pages.shape}")
+        if pages.dtype.kind not in "iu":
+            raise TransportParamError(f"{what} must be integers, got dtype {pages.dtype}")
+        if pages.dtype.kind == "u" and pages.size and int(pages.max()) > np.iinfo(np.int64).max:
+            raise TransportParamError(f"{what} contains an out-of-range page index")
+        return pages.astype(np.int64, copy=False)
+    if isinstance(pages, str | bytes | bytearray) or not isinstance(pages, Sequence):
+        raise TransportParamError(f"{what} must be a sequence of ints or an integer array")
+    for p in pages:
+        # bool is an int subclass and np.bool_ converts silently: reject both explicitly.
+        if isinstance(p, bool | np.bool_) or not isinstance(p, int | np.integer):
+            raise TransportParamError(f"{what} must contain ints only, got {p!r}")
+    try:
+        return np.asarray(pages, dtype=np.int64)
+    except OverflowError:
+        raise TransportParamError(f"{what} contains an out-of-range page index") from None
+
+
+def _descs(
+    base: int, page_bytes: int, starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64] | int,
+    device_id: int,
+) -> npt.NDArray[np.uint64]:
+    """Nx3 ``(address, length, device)`` rows for NIXL, built without Python-level loops.
+
+    Arithmetic is int64 (validated indices keep ``base + index * page_bytes`` far below
+    2**63) and the result is reinterpreted as the uint64 NIXL expects.
+    """
+    rows = np.empty((starts.shape[0], 3), dtype=np.int64)
+    np.multiply(starts, page_bytes, out=rows[:, 0])
+    rows[:, 0] += base
+    if isinstance(counts, int):
+        rows[:, 1] = counts * page_bytes
+    else:
+        np.multiply(counts, page_bytes, out=rows[:, 1])
+    rows[:, 2] = device_id
+    return rows.view(np.uint64)
+
+
+# --------------------------------------------------------------------------- Transfer
+
+
+class Transfer:
+    """One posted WRITE of many pages to one peer; owns its NIXL handle.
+
+    Created only by :meth:`NixlTransport.write_pages`. All methods are thread-safe: a
+    per-transfer lock serialises ``poll``/``release`` on the same transfer (different
+    transfers never block each other here). ``release()`` is idempotent.
+    """
+
+    def __init__(
+        self,
+        transport: NixlTransport,
+        agent: Any,
+        session_id: str,
+        src_region: str,
+        num_pages: int,
+        page_bytes: int,
+        timeout_s: float,
+    ) -> None:
+        self._transport = transport
+        self._session_id = session_id
+        self._src_region = src_region
+        self._num_pages = num_pages
+        self._nbytes = num_pages * page_bytes
+        self._timeout_s = timeout_s
+        self._start = time.monotonic()
+        self._deadline = self._start + timeout_s
+        # _lock guards every field below; held across this transfer's own NIXL calls only.
+        self._lock = threading.Lock()
+        self._agent: Any = agent  # guarded by _lock; None once released
+        self._handle: Any = None  # guarded by _lock; NIXL handle, None before post/after release
+        self._done = False  # guarded by _lock
+        self._failure: BaseException | None = None  # guarded by _lock
+        self._released = False  # guarded by _lock
+
+    # -- read-only properties (plain reads of immutable or monotonic fields) --
+    @property
+    def session_id(self) -> str:
+        """Destination session id."""
+        return self._session_id
+
+    @property
+    def src_region(self) -> str:
+        """Name of the local source region."""
+        return self._src_region
+
+    @property
+    def num_pages(self) -> int:
+        """Number of pages moved by this transfer."""
+        return self._num_pages
+
+    @property
+    def nbytes(self) -> int:
+        """Number of bytes moved by this transfer."""
+        return self._nbytes
+
+    @property
+    def timeout_s(self) -> float:
+        """Deadline in seconds after the start (``inf`` = none)."""
+        return self._timeout_s
+
+    @property
+    def started_at(self) -> float:
+        """``time.monotonic()`` when the transfer was created (its deadline counts from here)."""
+        return self._start
+
+    @property
+    def done(self) -> bool:
+        """True once a poll (or the post itself) observed ``"DONE"``. Never calls NIXL."""
+        return self._done
+
+    @property
+    def released(self) -> bool:
+        """True once the handle was released (by us, ``remove_peer`` or ``close``)."""
+        return self._released
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error this transfer failed with, if any."""
+        return self._failure
+
+    def __repr__(self) -> str:
+        state = (
+            "released" if self._released else "done" if self._done
+            else "failed" if self._failure else "pending"
+        )
+        return (
+            f"<Transfer session={self._session_id!r} pages={self._num_pages} "
+            f"bytes={self._nbytes} {state}>"
+        )
+
+    def poll(self) -> TransferState:
+        """Check progress once: ``"DONE"`` or ``"PROC"``.
+
+        After ``"DONE"`` was seen the answer is cached (no NIXL call). A failure is remembered
+        and raised again by later polls.
+
+        Thread-safety: safe from any thread; serialised with ``release()`` on this transfer.
+
+        Raises:
+            TransferReleasedError: The transfer was released (NIXL is not touched).
+            TransferTimeoutError: Still in progress at the deadline (the handle stays live;
+                release it, usually after ``remove_peer``).
+            TransferFailedError: NIXL reported a non-exception error status.
+            TransportParamError: NIXL reported a parameter error for this handle.
+            Exception: A NIXL transport error (a member of ``TRANSPORT_ERRORS``), e.g.
+                ``nixlRemoteDisconnectError`` when the peer died.
+        """
+        with self._lock:
+            if self._released:
+                raise TransferReleasedError(f"poll() on a released transfer: {self!r}")
+            if self._failure is not None:
+                raise self._failure
+            if self._done:
+                return "DONE"
+            try:
+                state = self._agent.check_xfer_state(self._handle)
+            except Exception as exc:
+                converted = self._fail_locked(exc, timed_out=False)
+                if converted is exc:
+                    raise
+                raise converted from exc
+            if state == "DONE":
+                self._done = True
+                self._transport._on_done()
+                return "DONE"
+            if state != "PROC":
+                err = TransferFailedError(f"NIXL transfer status {state!r} for {self!r}")
+                self._fail_locked(err, timed_out=False)
+                raise err
+            if time.monotonic() >= self._deadline:
+                err2 = TransferTimeoutError(self._session_id, self._timeout_s)
+                self._fail_locked(err2, timed_out=True)
+                raise err2
+            return "PROC"
+
+    def wait(self, timeout_s: float | None = None, interval_s: float = 0.0002) -> None:
+        """Poll until ``"DONE"``, sleeping ``interval_s`` between polls.
+
+        Thread-safety: safe from any thread (each poll takes the transfer's lock briefly).
+
+        Raises:
+            TimeoutError: ``timeout_s`` elapsed first (the transfer itself is not failed by
+                this; its own deadline still applies).
+            TransferTimeoutError, TransferReleasedError, TransferFailedError: as ``poll()``.
+            Exception: a NIXL transport error, as ``poll()``.
+        """
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.poll() != "DONE":
+            if end is not None and time.monotonic() >= end:
+                raise TimeoutError(f"wait({timeout_s}) elapsed for {self!r}")
+            time.sleep(interval_s)
+
+    def release(self) -> None:
+        """Release the NIXL handle (at most once).
+
+        Idempotent: later calls (from any thread) are no-ops and never touch NIXL.
+        Releasing a handle that is still ``"PROC"`` cancels it as far as NIXL can: **data
+        may still land** in the peer's buffer afterwards. If NIXL refuses the release, the
+        error is logged and the handle is left to the NIXL wrapper's own deferred cleanup;
+        this object counts as released either way, so a second release is impossible.
+
+        Thread-safety: safe from any thread; blocks while a ``poll()`` of this transfer runs.
+        """
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            agent, handle = self._agent, self._handle
+            self._agent = self._handle = None
+            error: Exception | None = None
+            if handle is not None:
+                try:
+                    agent.release_xfer_handle(handle)
+                except Exception as exc:
+                    error = exc
+            self._transport._on_released(self)
+        if error is not None:
+            logger.warning("releasing %r failed (%s); left to NIXL's cleanup", self, error)
+
+    # -- internal, called by NixlTransport / poll with self._lock held --
+    def _fail_locked(self, exc: BaseException, *, timed_out: bool) -> BaseException:
+        param = as_param_error(exc, f"NIXL rejected transfer {self!r}")
+        failure = param if param is not None else exc
+        self._failure = failure
+        self._transport._on_failed(timed_out=timed_out)
+        return failure
+
+
+# --------------------------------------------------------------------------- transport
+
+
+class NixlTransport:
+    """One NIXL agent (UCX) with named page-structured memory regions and peers.
+
+    Typical use (sender side)::
+
+        with NixlTransport("prefill-0") as tr:
+            tr.register_region("kv", kv_pool, page_bytes)
+            tr.add_peer("decode-0", peer_metadata)
+            xfer = tr.write_pages("decode-0", [3, 4, 9], [0, 1, 2], notif=b"room-7")
+            xfer.wait()
+            xfer.release()
+
+    Every public method is thread-safe unless its docstring says otherwise.
+
+    Args:
+        name: NIXL agent name; must be unique among connected agents. Default: a fresh
+            ``nixl-<pid>-<random>`` name.
+        default_timeout_s: Deadline of a transfer when ``write_pages`` gets none;
+            ``math.inf`` disables deadlines (a hung peer is then never detected).
+        progress_delay_us: Sleep between iterations of NIXL's progress thread (µs, > 0).
+
+    Raises:
+        ImportError: NIXL is not importable.
+        TransportParamError: Bad arguments.
+        RuntimeError: NIXL has no UCX plugin.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+        progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
+    ) -> None:
+        bindings = _nixl.require()
+        if name is None:
+            name = f"nixl-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        if not isinstance(name, str) or not name:
+            raise TransportParamError("name must be a non-empty str")
+        _check_timeout(default_timeout_s, "default_timeout_s")
+        if type(progress_delay_us) is not int or progress_delay_us <= 0:
+            raise TransportParamError("progress_delay_us must be a positive int")
+        self._name = name
+        self._default_timeout_s = float(default_timeout_s)
+        self._agent: Any = _make_agent(bindings, name, progress_delay_us)
+
+        # _admin_lock serialises membership changes (regions, peers, close) including their
+        # NIXL calls. Order: _admin_lock -> Transfer._lock -> _lock.
+        self._admin_lock = threading.Lock()
+        # _lock guards the bookkeeping below; never held across a NIXL call.
+        self._lock = threading.Lock()
+        self._closed = False  # guarded by _lock
+        self._regions: dict[str, _LocalRegion] = {}  # guarded by _lock
+        self._peers: dict[str, _Peer] = {}  # guarded by _lock
+        self._remote_refs: dict[str, int] = {}  # guarded by _lock; agent name -> sessions
+        self._live: set[Transfer] = set()  # guarded by _lock; transfers not yet released
+        self._n_started = 0  # guarded by _lock
+        self._n_done = 0  # guarded by _lock
+        self._n_failed = 0  # guarded by _lock
+        self._n_timed_out = 0  # guarded by _lock
+        self._n_released = 0  # guarded by _lock
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def name(self) -> str:
+        """The NIXL agent name."""
+        return self._name
+
+    @property
+    def default_timeout_s(self) -> float:
+        """Deadline given to transfers that were not given one."""
+        return self._default_timeout_s
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` started."""
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"<NixlTransport {self._name!r}{' closed' if self._closed else ''}>"
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ memory
+
+    def register_region(
+        self, name: str, tensor: torch.Tensor | npt.NDArray[Any], page_bytes: int
+    ) -> RegionInfo:
+        """Register a contiguous tensor as region ``name`` of pages of ``page_bytes`` bytes.
+
+        CPU tensors (and numpy arrays) are registered as DRAM, CUDA tensors as VRAM of their
+        device. The memory is kept referenced until :meth:`deregister_region` or
+        :meth:`close`. Peers that already hold this transport's metadata must fetch it again
+        to see the new region.
+
+        Thread-safety: safe from any thread; serialised with other membership changes.
+
+        Raises:
+            TransportParamError: Bad name/page size, non-contiguous or empty tensor, size not
+                a multiple of ``page_bytes``, unsupported device, name already registered, or
+                NIXL rejected the registration.
+            TransportClosedError: The transport is closed.
+        """
+        if not isinstance(name, str) or not name:
+            raise TransportParamError("region name must be a non-empty str")
+        if type(page_bytes) is not int or page_bytes <= 0:
+            raise TransportParamError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        base_addr, nbytes, mem_type, device_id = _memory_of(name, tensor)
+        if nbytes == 0 or nbytes % page_bytes:
+            raise TransportParamError(
+                f"region {name!r}: {nbytes} bytes is not a positive multiple of {page_bytes}"
+            )
+        info = RegionInfo(
+            name, base_addr, nbytes, page_bytes, nbytes // page_bytes, mem_type, device_id
+        )
+        with self._admin_lock:
+            with self._lock:
+                self._check_open()
+                if name in self._regions:
+                    raise TransportParamError(f"region {name!r} is already registered")
+                agent = self._agent
+            rows = np.array([[info.base_addr, nbytes, device_id]], dtype=np.uint64)
+            try:
+                reg = agent.register_memory(rows, mem_type, ["UCX"])
+            except PARAM_ERRORS as exc:
+                raise TransportParamError(
+                    f"NIXL rejected region {name!r}", status_name(exc)
+                ) from exc
+            with self._lock:
+                self._regions[name] = _LocalRegion(info, tensor, reg)
+        return info
+
+    def deregister_region(self, name: str) -> bool:
+        """Deregister region ``name``; returns False if it was not registered.
+
+        Live transfers reading from this region are released first (see
+        :meth:`Transfer.release`: pending data may still land).
+
+        Thread-safety: safe from any thread; serialised with other membership changes.
+
+        Raises:
+            Nothing for NIXL failures (logged); the tensor is dropped regardless.
+        """
+        with self._admin_lock:
+            with self._lock:
+                region = self._regions.pop(name, None)
+                if region is None:
+                    return False
+                users = [t for t in self._live if t.src_region == name]
+                agent = self._agent
+            for t in users:
+                t.release()
+            try:
+                agent.deregister_memory(region.reg_descs, ["UCX"])
+            except Exception as exc:
+                logger.warning("deregistering region %r failed: %s", name, exc)
+        return True
+
+    def regions(self) -> dict[str, RegionInfo]:
+        """Snapshot of the registered local regions.
+
+        Thread-safety: safe from any thread.
+        """
+        with self._lock:
+            return {k: r.info for k, r in self._regions.items()}
+
+    # ------------------------------------------------------------------ peers
+
+    def metadata(self) -> bytes:
+        """This transport's metadata: NIXL agent metadata plus every region's layout.
+
+        Decode with :func:`decode_metadata`; hand to the other side's :meth:`add_peer`.
+
+        Thread-safety: safe from any thread; consistent with concurrent region changes.
+
+        Raises:
+            TransportClosedError: The transport is closed.
+        """
+        with self._admin_lock:
+            with self._lock:
+                self._check_open()
+                agent = self._agent
+                infos = [r.info for r in self._regions.values()]
+            blob = agent.get_agent_metadata()
+        return _encode_metadata(self._name, infos, bytes(blob))
+
+    def add_peer(self, session_id: str, metadata: bytes) -> PeerMetadata:
+        """Load a peer's metadata (from its :meth:`metadata`) under ``session_id``.
+
+        Several sessions may name the same remote agent; NIXL forgets that agent only when
+        the last of them is removed.
+
+        Thread-safety: safe from any thread; serialised with other membership changes.
+
+        Raises:
+            TransportParamError: Bad session id, malformed metadata, session already added
+                (remove it first), or NIXL rejected the metadata.
+            TransportClosedError: The transport is closed.
+        """
+        if not isinstance(session_id, str) or not session_id:
+            raise TransportParamError("session_id must be a non-empty str")
+        meta = decode_metadata(metadata)
+        if meta.agent_name == self._name:
+            raise TransportParamError("a transport cannot add itself as a peer")
+        with self._admin_lock:
+            with self._lock:
+                self._check_open()
+                if session_id in self._peers:
+                    raise TransportParamError(f"session {session_id!r} is already added")
+                agent = self._agent
+            try:
+                loaded = agent.add_remote_agent(meta.agent_blob)
+            except PARAM_ERRORS as exc:
+                raise TransportParamError(
+                    f"NIXL rejected metadata for session {session_id!r}", status_name(exc)
+                ) from exc
+            loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded_name != meta.agent_name:
+                raise TransportParamError(
+                    f"metadata names agent {meta.agent_name!r} but NIXL loaded {loaded_name!r}"
+                )
+            with self._lock:
+                self._peers[session_id] = _Peer(session_id, loaded_name, dict(meta.regions))
+                self._remote_refs[loaded_name] = self._remote_refs.get(loaded_name, 0) + 1
+        return meta
+
+    def remove_peer(self, session_id: str) -> bool:
+        """Forget a peer: release its live transfers, then drop its NIXL remote agent.
+
+        Idempotent: returns False if the session is unknown (already removed).
+
+        Thread-safety: safe from any thread; waits for concurrent polls of that peer's
+        transfers to return.
+
+        Raises:
+            Nothing for NIXL failures (logged).
+        """
+        with self._admin_lock:
+            with self._lock:
+                peer = self._peers.pop(session_id, None)
+                if peer is None:
+                    return False
+                transfers = list(peer.transfers)
+                last = self._drop_remote_ref_locked(peer.agent_name)
+                agent = self._agent
+            for t in transfers:
+                t.release()
+            if last and agent is not None:
+                try:
+                    agent.remove_remote_agent(peer.agent_name)
+                except Exception as exc:
+                    logger.warning("removing remote agent %r failed: %s", peer.agent_name, exc)
+        return True
+
+    def has_peer(self, session_id: str) -> bool:
+        """True if ``session_id`` is currently added.
+
+        Thread-safety: safe from any thread.
+        """
+        with self._lock:
+            return session_id in self._peers
+
+    def peer_regions(self, session_id: str) -> dict[str, RegionInfo]:
+        """The regions a peer published.
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            PeerNotFoundError: Unknown session.
+        """
+        with self._lock:
+            peer = self._peers.get(session_id)
+            if peer is None:
+                raise PeerNotFoundError(session_id)
+            return dict(peer.regions)
+
+    def peer_agent_name(self, session_id: str) -> str:
+        """The NIXL agent name of a peer (the key of its messages in :meth:`get_notifs`).
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            PeerNotFoundError: Unknown session.
+        """
+        with self._lock:
+            peer = self._peers.get(session_id)
+            if peer is None:
+                raise PeerNotFoundError(session_id)
+            return peer.agent_name
+
+    # ------------------------------------------------------------------ transfers
+
+    def write_pages(
+        self,
+        session_id: str,
+        src_pages: PageIndices,
+        dst_pages: PageIndices,
+        notif: bytes | None = None,
+        *,
+        src_region: str = "kv",
+        dst_region: str = "kv",
+        timeout_s: float | None = None,
+        coalesce: bool = True,
+    ) -> Transfer:
+        """Post ONE transfer writing local pages ``src_pages[i]`` to remote ``dst_pages[i]``.
+
+        Indices are validated before NIXL is touched. With ``coalesce`` runs of pages that
+        are consecutive on both sides become one descriptor. ``notif`` (if given) is
+        delivered to the peer's ``get_notifs()`` once the data has landed.
+
+        Thread-safety: safe from any thread, concurrently with everything else; a concurrent
+        ``remove_peer``/``close`` either sees and releases this transfer or makes this call
+        raise.
+
+        Raises:
+            TransportParamError: Bad or out-of-range indices (bool indices included), length
+                mismatch, no pages, duplicate destination pages, unknown region, page sizes
+                differing between the two regions, bad ``notif``/``timeout_s``, or a NIXL
+                parameter error.
+            PeerNotFoundError: Unknown session (also a member of ``TRANSPORT_ERRORS``).
+            TransportClosedError: The transport is closed.
+            TransferFailedError: NIXL answered ``"ERR"`` when posting.
+            Exception: A NIXL transport error (a member of ``TRANSPORT_ERRORS``), e.g.
+                ``nixlRemoteDisconnectError`` for a dead peer.
+        """
+        if notif is not None and not isinstance(notif, bytes):
+            raise TransportParamError(f"notif must be bytes or None, got {type(notif).__name__}")
+        if notif == b"":
+            raise TransportParamError("notif must be non-empty (use None for no notification)")
+        timeout = self._default_timeout_s if timeout_s is None else timeout_s
+        _check_timeout(timeout, "timeout_s")
+        src = _as_pages(src_pages, "src_pages")
+        dst = _as_pages(dst_pages, "dst_pages")
+        n = int(src.shape[0])
+        if n != int(dst.shape[0]):
+            raise TransportParamError(
+                f"src_pages and dst_pages differ in length ({n} vs {dst.shape[0]})"
+            )
+        if n == 0:
+            raise TransportParamError("no pages to write")
+
+        with self._lock:
+            self._check_open()
+            local = self._regions.get(src_region)
+            peer = self._peers.get(session_id)
+            agent = self._agent
+        if local is None:
+            raise TransportParamError(f"no local region {src_region!r}")
+        if peer is None:
+            raise PeerNotFoundError(session_id)
+        remote = peer.regions.get(dst_region)
+        if remote is None:
+            raise TransportParamError(f"session {session_id!r} has no region {dst_region!r}")
+        li = local.info
+        if li.page_bytes != remote.page_bytes:
+            raise TransportParamError(
+                f"page size differs: local {src_region!r} {li.page_bytes} B, "
+                f"remote {dst_region!r} {remote.page_bytes} B"
+            )
+        _check_range(src, li.num_pages, "src_pages", src_region)
+        _check_range(dst, remote.num_pages, "dst_pages", dst_region)
+        if n > 1 and np.unique(dst).shape[0] != n:
+            raise TransportParamError("dst_pages contains duplicates")
+
+        if coalesce and n > 1:
+            brk = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+            starts = np.concatenate((np.zeros(1, dtype=np.int64), brk))
+            counts = np.diff(np.append(starts, n))
+            src_rows = _descs(li.base_addr, li.page_bytes, src[starts], counts, li.device_id)
+            dst_rows = _descs(
+                remote.base_addr, remote.page_bytes, dst[starts], counts, remote.device_id
+            )
+        else:
+            src_rows = _descs(li.base_addr, li.page_bytes, src, 1, li.device_id)
+            dst_rows = _descs(remote.base_addr, remote.page_bytes, dst, 1, remote.device_id)
+
+        xfer = Transfer(self, agent, session_id, src_region, n, li.page_bytes, timeout)
+        with xfer._lock:  # fresh lock: nobody else can hold it yet
+            with self._lock:
+                # Re-check under the lock: a concurrent remove_peer/close/deregister either
+                # already happened (we raise) or will find this transfer in _live and
+                # release it after we let go of xfer._lock.
+                self._check_open()
+                if self._peers.get(session_id) is not peer:
+                    raise PeerNotFoundError(session_id)
+                if self._regions.get(src_region) is not local:
+                    raise TransportParamError(f"local region {src_region!r} was deregistered")
+                self._live.add(xfer)
+                peer.transfers.add(xfer)
+            try:
+                bindings = _nixl.require()
+                local_descs = bindings.nixlXferDList(_mem_seg(bindings, li.mem_type), src_rows)
+                remote_descs = bindings.nixlXferDList(
+                    _mem_seg(bindings, remote.mem_type), dst_rows
+                )
+                msg = notif or b""
+                xfer._handle = agent.initialize_xfer(
+                    "WRITE", local_descs, remote_descs, peer.agent_name, msg
+                )
+                state = agent.transfer(xfer._handle, msg)
+                if state == "ERR" or state not in ("DONE", "PROC"):
+                    raise TransferFailedError(
+                        f"NIXL answered {state!r} posting a write to {session_id!r}"
+                    )
+            except Exception as exc:
+                self._abort_post_locked(xfer, exc)
+                param = as_param_error(exc, f"NIXL rejected a write to session {session_id!r}")
+                if param is not None:
+                    raise param from exc
+                raise
+            with self._lock:
+                self._n_started += 1
+            if state == "DONE":
+                xfer._done = True
+                self._on_done()
+        return xfer
+
+    def _abort_post_locked(self, xfer: Transfer, exc: BaseException) -> None:
+        """Undo a failed post; caller holds ``xfer._lock``."""
+        handle, agent = xfer._handle, xfer._agent
+        xfer._handle = xfer._agent = None
+        xfer._released = True
+        xfer._failure = exc
+        if handle is not None:
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception as rel_exc:
+                logger.warning("releasing a failed transfer's handle failed: %s", rel_exc)
+        with self._lock:
+            self._forget_locked(xfer)
+            if classify(exc):
+                self._n_failed += 1
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """New notifications since the last call: remote agent name -> messages, in order.
+
+        Each message is returned once (to whichever thread calls first).
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            TransportClosedError: The transport is closed.
+        """
+        with self._lock:
+            self._check_open()
+            agent = self._agent
+        try:
+            notifs: dict[str, list[bytes]] = agent.get_new_notifs()
+        except AttributeError:
+            if self._closed:  # close() ran between our check and the call
+                raise TransportClosedError(f"transport {self._name!r} is closed") from None
+            raise
+        return {str(k): [bytes(m) for m in v] for k, v in notifs.items() if v}
+
+    def live_transfers(self) -> list[Transfer]:
+        """Snapshot of the transfers not yet released.
+
+        Thread-safety: safe from any thread.
+        """
+        with self._lock:
+            return list(self._live)
+
+    def stats(self) -> TransportStats:
+        """Snapshot of the counters.
+
+        Thread-safety: safe from any thread; the fields are mutually consistent.
+        """
+        with self._lock:
+            return TransportStats(
+                transfers_started=self._n_started,
+                transfers_done=self._n_done,
+                transfers_failed=self._n_failed,
+                transfers_timed_out=self._n_timed_out,
+                transfers_released=self._n_released,
+                live_transfers=len(self._live),
+                peers=len(self._peers),
+                regions=len(self._regions),
+            )
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        """Release every live transfer, remove every peer, deregister every region and drop
+        the NIXL agent (its progress thread stops when the agent is destroyed).
+
+        Idempotent. Afterwards ``write_pages``/``add_peer``/``metadata``/``get_notifs``
+        raise :class:`TransportClosedError`; polls of released transfers raise
+        :class:`TransferReleasedError`.
+
+        Thread-safety: safe from any thread; waits for in-flight polls/posts to return.
+
+        Raises:
+            Nothing for NIXL failures (logged).
+        """
+        with self._admin_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                transfers = list(self._live)
+                remote_agents = list(self._remote_refs)
+                regions = list(self._regions.values())
+                agent = self._agent
+            for t in transfers:
+                t.release()
+            for remote in remote_agents:
+                try:
+                    agent.remove_remote_agent(remote)
+                except Exception as exc:
+                    logger.warning("removing remote agent %r failed: %s", remote, exc)
+            for region in regions:
+                try:
+                    agent.deregister_memory(region.reg_descs, ["UCX"])
+                except Exception as exc:
+                    logger.warning("deregistering region %r failed: %s", region.info.name, exc)
+            with self._lock:
+                self._peers.clear()
+                self._remote_refs.clear()
+                self._regions.clear()
+                self._agent = None
+        # Drop the binding agent now, so that a stray reference to the wrapper (a traceback
+        # frame, a test local) cannot keep its progress thread alive. When a release failed
+        # the wrapper keeps the handle for its own cleanup in __del__, which needs the agent.
+        if not getattr(agent, "_leaked_xfer_handles", None):
+            agent.agent = None
+
+    # ------------------------------------------------------------------ callbacks
+
+    def _check_open(self) -> None:
+        """Caller holds ``_lock``."""
+        if self._closed:
+            raise TransportClosedError(f"transport {self._name!r} is closed")
+
+    def _drop_remote_ref_locked(self, agent_name: str) -> bool:
+        left = self._remote_refs.get(agent_name, 1) - 1
+        if left <= 0:
+            self._remote_refs.pop(agent_name, None)
+            return True
+        self._remote_refs[agent_name] = left
+        return False
+
+    def _forget_locked(self, xfer: Transfer) -> None:
+        self._live.discard(xfer)
+        peer = self._peers.get(xfer.session_id)
+        if peer is not None:
+            peer.transfers.discard(xfer)
+
+    def _on_done(self) -> None:
+        with self._lock:
+            self._n_done += 1
+
+    def _on_failed(self, *, timed_out: bool) -> None:
+        with self._lock:
+            if timed_out:
+                self._n_timed_out += 1
+            else:
+                self._n_failed += 1
+
+    def _on_released(self, xfer: Transfer) -> None:
+        with self._lock:
+            if xfer in self._live:
+                self._n_released += 1
+            self._forget_locked(xfer)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _memory_of(name: str, mem: torch.Tensor | npt.NDArray[Any]) -> tuple[int, int, str, int]:
+    """(base address, nbytes, NIXL mem type, device id) of a contiguous tensor or array."""
+    if isinstance(mem, np.ndarray):
+        if not mem.flags.c_contiguous:
+            raise TransportParamError(f"region {name!r}: array must be C-contiguous")
+        return int(mem.ctypes.data), int(mem.nbytes), "DRAM", 0
+    torch_mod = sys.modules.get("torch")  # a tensor can only exist if torch is imported
+    if torch_mod is None or not isinstance(mem, torch_mod.Tensor):
+        raise TransportParamError(
+            f"region {name!r}: expected a torch.Tensor or numpy array, got {type(mem).__name__}"
+        )
+    if not mem.is_contiguous():
+        raise TransportParamError(f"region {name!r}: tensor must be contiguous")
+    nbytes = mem.numel() * mem.element_size()
+    if mem.device.type == "cpu":
+        return mem.data_ptr(), nbytes, "DRAM", 0
+    if mem.device.type == "cuda":
+        return mem.data_ptr(), nbytes, "VRAM", mem.device.index or 0
+    raise TransportParamError(f"region {name!r}: unsupported device {mem.device}")
+
+
+def _check_timeout(value: float, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TransportParamError(f"{what} must be a number of seconds, got {value!r}")
+    if math.isnan(value) or value <= 0:
+        raise TransportParamError(f"{what} must be > 0, got {value!r}")
+
+
+def _check_range(pages: npt.NDArray[np.int64], num_pages: int, what: str, region: str) -> None:
+    if pages.shape[0] <= 16:  # Python min/max beat two numpy reductions on tiny arrays
+        values = pages.tolist()
+        lo, hi = min(values), max(values)
+    else:
+        lo, hi = int(pages.min()), int(pages.max())
+    if lo < 0 or hi >= num_pages:
+        bad = lo if lo < 0 else hi
+        raise TransportParamError(
+            f"{what}: page {bad} out of range for region {region!r} ({num_pages} pages)"
+        )
+
+
+def _mem_seg(bindings: Any, mem_type: str) -> Any:
+    return bindings.DRAM_SEG if mem_type == "DRAM" else bindings.VRAM_SEG
+
+
+def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
+    """Build the wrapper agent around a binding agent whose progress thread sleeps."""
+    strict = _nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    # The wrapper's own binding agent: no progress thread, no backend -> cheap, inert.
+    wrapper = _nixl.nixl_agent(
+        name,
+        _nixl.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=[],
+            sync_mode=strict,
+        ),
+    )
+    if "UCX" not in wrapper.get_plugin_list():
+        raise RuntimeError("NIXL has no UCX plugin on this machine")
+    config = bindings.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.syncMode = strict.value
+    config.pthrDelay = progress_delay_us
+    config.lthrDelay = 100_000
+    config.captureTelemetry = False
+    inert = wrapper.agent
+    wrapper.agent = bindings.nixlAgent(name, config)
+    del inert
+    wrapper.create_backend("UCX")
+    return wrapper
+
