@@ -16,7 +16,7 @@ from staging import (
     StagingContext,
     make_lock,
 )
-from staging.locks import LOCK_KINDS, DEBUG_ENV, held_locks
+from staging.locks import DEBUG_ENV, LOCK_KINDS, held_locks
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,7 +44,9 @@ def test_write_excludes_writers_and_readers(kind: str) -> None:
             entered.append(mode)
 
     with lock.write():
-        threads = [threading.Thread(target=other, args=(m,), daemon=True) for m in ("read", "write")]
+        threads = [
+            threading.Thread(target=other, args=(m,), daemon=True) for m in ("read", "write")
+        ]
         for t in threads:
             t.start()
         inside.wait(0.2)
@@ -151,10 +153,10 @@ def test_assert_held(kind: str) -> None:
 @pytest.mark.parametrize("inner", ["read", "write"])
 def test_debug_reentry_raises_instead_of_deadlocking(kind: str, outer: str, inner: str) -> None:
     lock = make_lock(kind, "staging", 1, debug=True)
-    with lock.read() if outer == "read" else lock.write():
-        with pytest.raises(LockReentryError, match="staging"):
-            with lock.read() if inner == "read" else lock.write():
-                pass  # pragma: no cover
+    outer_guard = lock.read() if outer == "read" else lock.write()
+    inner_guard = lock.read() if inner == "read" else lock.write()
+    with outer_guard, pytest.raises(LockReentryError, match="staging"), inner_guard:
+        pass  # pragma: no cover
     with lock.write():  # nothing leaked by the refused acquisition
         assert held_locks() == (("staging", "write"),)
     assert held_locks() == ()
@@ -165,17 +167,14 @@ def test_debug_order_inversion_raises_first_time(kind: str) -> None:
     inner = make_lock(kind, "staging", LockLevel.STAGING, debug=True)
     with outer.write(), inner.write():  # the right order is fine
         pass
-    with inner.read():
-        with pytest.raises(LockOrderError) as info:
-            with outer.write():
-                pass  # pragma: no cover
+    with inner.read(), pytest.raises(LockOrderError) as info, outer.write():
+        pass  # pragma: no cover
     err = info.value
     assert (err.held, err.wanted) == ("staging", "room")
     assert "room" in str(err) and "staging" in str(err)
     peer = make_lock(kind, "staging2", LockLevel.STAGING, debug=True)
-    with inner.write(), pytest.raises(LockOrderError):
-        with peer.write():
-            pass  # pragma: no cover
+    with inner.write(), pytest.raises(LockOrderError), peer.write():
+        pass  # pragma: no cover
 
 
 def test_debug_held_past_timeout_raises(kind: str) -> None:

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from sender import _nixl
-from sender.errors import KVTransferError
+from sender.errors import TRANSPORT_ERRORS, KVTransferError
 from sender.faults import FaultInjectingTransport, nixl_error
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from sender.transport import NixlTransport
-from staging import RoomAlreadyOpenError, StagingContext
+from staging import RoomAlreadyOpenError
 from staging.buffers import StagingBufferPool
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
@@ -213,9 +213,10 @@ def test_failure_exception_precedence(rig: Rig) -> None:
 
 def test_failure_exception_twice_is_clean(rig: Rig) -> None:
     with _mgr(rig) as mgr:
-        s = _room_in_every_table(mgr, 1, nixl_error("nixlBackendError"))
+        stored = nixl_error("nixlBackendError")
+        s = _room_in_every_table(mgr, 1, stored)
         other = _room_in_every_table(mgr, 2, None)
-        with pytest.raises(Exception):
+        with pytest.raises(type(stored)):
             s.failure_exception()
         before = (mgr.stats(), mgr.staging.snapshot(), dict(mgr.request_status))
         with pytest.raises(KVTransferError, match="already reported"):
@@ -255,24 +256,23 @@ def test_error_mid_room_fails_room(rig: Rig) -> None:
             s.send([2 * i, 2 * i + 1])
         assert _wait(s) is KVPoll.Failed
         assert "failed" in mgr.failure_records[5]
-        with pytest.raises(Exception):
+        with pytest.raises(TRANSPORT_ERRORS):
             s.failure_exception()
         _assert_no_trace(mgr, 5)
 
 
 def test_remote_disconnect_fails_every_room_of_that_session(rig: Rig) -> None:
-    faulty = FaultInjectingTransport(
-        rig.tx, fail_writes=[1], classes=["nixlRemoteDisconnectError"]
-    )
+    faulty = FaultInjectingTransport(rig.tx, fail_writes=[1], classes=["nixlRemoteDisconnectError"])
     with _mgr(rig, faulty, num_workers=1) as mgr:
         waiting = _sender(mgr, 1)  # not sent yet: fails through fail_session
         s = _sender(mgr, 2)
         s.send(list(range(8)))
         assert _wait(s) is KVPoll.Failed
         assert _wait(waiting) is KVPoll.Failed
-        for sender in (s, waiting):
-            with pytest.raises(Exception):
-                sender.failure_exception()
+        with pytest.raises(TRANSPORT_ERRORS):
+            s.failure_exception()
+        with pytest.raises(KVTransferError, match="decode peer"):
+            waiting.failure_exception()
         assert mgr.stats().open_rooms == 0
 
 

@@ -44,8 +44,13 @@ def _assert_empty(mgr: KVManager, result: DriverResult, pool: StagingBufferPool 
     assert result.leaked_rooms == 0, [o for o in result.outcomes if o.footprint]
     st = mgr.stats()
     assert (st.open_rooms, st.transfers_inflight) == (0, 0)
-    for table in (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len,
-                  mgr.exceptions, mgr.failure_records):
+    for table in (
+        mgr.request_status,
+        mgr.transfer_infos,
+        mgr.req_to_decode_prefix_len,
+        mgr.exceptions,
+        mgr.failure_records,
+    ):
         assert len(table) == 0
     snap = mgr.staging.snapshot()
     assert snap.open_rooms == snap.prefetched_rooms == snap.prefetch_requested == frozenset()
@@ -67,8 +72,10 @@ def test_200_rooms_of_8_chunks_succeed_and_verify(
         with KVManager(tx, kv, num_workers=2, staging_pool=pool) as mgr:
             driver = SchedulerDriver(mgr, {SESSION: PEER_PAGES}, lambda s, p: peer.page_digest(p))
             result = driver.run(DriverConfig(rooms=200, chunks=8, pages_per_chunk=1, seed=7))
-            print(f"staged={staged}: {result.rooms_per_s:.1f} rooms/s "
-                  f"(200 rooms x 8 chunks, {result.wall_s:.2f} s)")
+            print(
+                f"staged={staged}: {result.rooms_per_s:.1f} rooms/s "
+                f"(200 rooms x 8 chunks, {result.wall_s:.2f} s)"
+            )
             assert result.succeeded == 200, [o for o in result.outcomes if o.error][:3]
             assert result.verify_failures == 0
             assert all(o.verified for o in result.outcomes)
@@ -103,8 +110,9 @@ def test_peer_sigkill_mid_run_fails_every_unfinished_room_within_1s(
             kill = killed_at[0]
             assert result.unconcluded == 0
             # Rooms alive at the kill: each is Failed (or had already succeeded) within 1 s.
-            alive = [o for o in result.outcomes
-                     if o.concluded_at - o.latency_s < kill < o.concluded_at]
+            alive = [
+                o for o in result.outcomes if o.concluded_at - o.latency_s < kill < o.concluded_at
+            ]
             late = [o for o in alive if o.status is not KVPoll.Success]
             assert all(o.status is KVPoll.Failed for o in late)
             worst = max(o.concluded_at for o in late) - kill
@@ -112,9 +120,11 @@ def test_peer_sigkill_mid_run_fails_every_unfinished_room_within_1s(
             newer = [o for o in result.outcomes if o.concluded_at - o.latency_s >= kill]
             assert all(o.status is KVPoll.Failed for o in newer)
             worst_new = max((o.latency_s for o in newer), default=0.0)
-            print(f"SIGKILL -> the {len(late)} unfinished rooms Failed within {worst * 1e3:.0f} ms;"
-                  f" {len(newer)} rooms opened later each Failed within {worst_new * 1e3:.0f} ms;"
-                  f" errors: {sorted({o.error for o in late + newer if o.error})}")
+            print(
+                f"SIGKILL -> the {len(late)} unfinished rooms Failed within {worst * 1e3:.0f} ms;"
+                f" {len(newer)} rooms opened later each Failed within {worst_new * 1e3:.0f} ms;"
+                f" errors: {sorted({o.error for o in late + newer if o.error})}"
+            )
             assert late and worst < 1.0
             assert worst_new < 1.0
             assert result.verify_failures == 0
@@ -124,9 +134,7 @@ def test_peer_sigkill_mid_run_fails_every_unfinished_room_within_1s(
 
 
 @pytest.mark.timeout(120)
-def test_peer_sigstop_fails_rooms_at_transfer_deadline(
-    peer: PeerProcess, kv: torch.Tensor
-) -> None:
+def test_peer_sigstop_fails_rooms_at_transfer_deadline(peer: PeerProcess, kv: torch.Tensor) -> None:
     deadline_s = 0.5
     with NixlTransport("e2e-prefill-stop") as tx:
         tx.register_region("kv", kv, PAGE_BYTES)
@@ -141,8 +149,7 @@ def test_peer_sigstop_fails_rooms_at_transfer_deadline(
             finally:
                 peer.cont()
             assert result.failed == 16
-            assert {o.error for o in result.outcomes} <= {"TransferTimeoutError",
-                                                          "KVTransferError"}
+            assert {o.error for o in result.outcomes} <= {"TransferTimeoutError", "KVTransferError"}
             assert "TransferTimeoutError" in {o.error for o in result.outcomes}
             print(f"SIGSTOP: 16 rooms Failed after {elapsed:.2f} s (deadline {deadline_s} s)")
             assert deadline_s * 0.9 <= elapsed < deadline_s + 2.0

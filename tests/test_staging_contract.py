@@ -104,9 +104,7 @@ def test_purge_removes_both_collections_atomically(ctx: StagingContext) -> None:
     ctx.request_prefetch(b, 0, "d0")
     ctx.mark_prefetched(b)
     purge = ctx.purge_room(1)
-    assert purge == RoomPurge(
-        1, True, True, frozenset({(0, "d0"), (1, "d1")}), a.generation
-    )
+    assert purge == RoomPurge(1, True, True, frozenset({(0, "d0"), (1, "d1")}), a.generation)
     snap = ctx.snapshot()
     assert snap.open_rooms == {2}
     assert snap.prefetched_rooms == {2}

@@ -1,0 +1,108 @@
+"""``python -m stress`` end to end, as a subprocess with a bounded timeout.
+
+The planted-violation tests use the hidden, test-only ``--plant-bug`` option: ``resurrect``
+(a context that re-opens a purged room for a late writer) must fail ``no-resurrection``, and
+``racy-request`` (a check-then-act ``request_prefetch``) must fail ``linearizable``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stress.cli import main
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_S = 40.0
+
+
+def stress(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "stress", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_S,
+        check=False,
+    )
+    print(proc.stdout[-4000:])
+    print(proc.stderr[-4000:], file=sys.stderr)
+    return proc
+
+
+def test_quick_staging_race_holds_every_invariant(tmp_path: Path) -> None:
+    out = tmp_path / "stress.json"
+    proc = stress("staging-race", "--quick", "--seed", "1", "--json", str(out))
+    assert proc.returncode == 0
+    assert proc.stdout.splitlines()[0] == "seed: 1"
+    doc = json.loads(out.read_text())
+    assert doc["seed"] == 1 and doc["ok"] is True
+    (scenario,) = doc["scenarios"]
+    assert scenario["name"] == "staging-race" and scenario["ops"] > 0 and scenario["rooms"] > 0
+    invariants = scenario["invariants"]
+    assert set(invariants) >= {
+        "no-escaped-exception",
+        "no-resurrection",
+        "no-leak",
+        "counters-consistent",
+        "linearizable",
+        "no-deadlock",
+        "no-thread-left",
+        "lock-order",
+    }
+    assert {name: inv["violations"] for name, inv in invariants.items()} == dict.fromkeys(
+        invariants, 0
+    )
+    assert scenario["extra"]["epochs"] > 0  # the quiescent checks did run
+    assert scenario["extra"]["linearizability_rounds"] > 0  # and the probe rounds
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--threads", "0"),
+        ("--rooms", "0"),
+        ("--fault-rate", "1.5"),
+        ("--fault-rate", "-0.1"),
+        ("--duration", "0"),
+        ("--duration", "nan"),
+        ("--lock", "spin"),
+        ("no-such-scenario",),
+    ],
+)
+def test_bad_arguments_exit_2(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(list(args))
+    assert exited.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2_as_a_process() -> None:
+    proc = stress("--threads", "-3")
+    assert proc.returncode == 2
+    assert "--threads" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("bug", "invariant"),
+    [("resurrect", "no-resurrection"), ("racy-request", "linearizable")],
+)
+def test_planted_violation_exits_1(tmp_path: Path, bug: str, invariant: str) -> None:
+    out = tmp_path / "stress.json"
+    proc = stress(
+        "staging-race", "--duration", "1", "--seed", "7", "--plant-bug", bug, "--json", str(out)
+    )
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[0] == "seed: 7"
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is False
+    assert doc["invariants"][invariant] > 0
