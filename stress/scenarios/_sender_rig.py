@@ -24,10 +24,12 @@ from sender.transport import NixlTransport
 from staging.buffers import StagingBufferPool
 from staging.context import StagingContext
 from stress.framework import JSONValue, Monitor, StressConfig, WorkerCounters
-from stress.invariants import NO_ESCAPED_EXCEPTION, NO_LEAK, NO_RESURRECTION
+from stress.invariants import NO_ESCAPED_EXCEPTION, NO_LEAK, NO_RESURRECTION, describe
 
-ROOMS_CONCLUDED = "rooms-concluded"
-BYTES_VERIFIED = "bytes-verified"
+ROOMS_CONCLUDED = describe(
+    "rooms-concluded", "every room concluded Success or Failed (a dead peer's within 1 s)"
+)
+BYTES_VERIFIED = describe("bytes-verified", "every verifiable Success room's bytes match")
 
 PAGE_BYTES = 4096
 KV_PAGES = 1024

@@ -104,12 +104,15 @@ class PeerFaults:
         kills: list[float],
         faults: dict[str, int],
     ) -> Callable[[], None]:
+        # A fault every ~1.5 s; short (--quick) runs still get at least two.
+        every = min(FAULT_EVERY_S, monitor.duration_s / 3)
+
         def run() -> None:
             rng = config.rng(2000)
             counters = monitor.counters()
             n = 0
-            while monitor.running() and monitor.time_left() > FAULT_EVERY_S:
-                time.sleep(FAULT_EVERY_S * (0.5 + rng.random()))
+            while monitor.running() and monitor.time_left() > every:
+                time.sleep(every * (0.5 + rng.random()))
                 if not monitor.running():
                     break
                 kind = kinds[n % len(kinds)]

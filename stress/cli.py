@@ -1,0 +1,169 @@
+"""``python -m stress``: run the registered stress scenarios and report every invariant.
+
+Exit status: 0 if every invariant of every scenario held, 1 otherwise, 2 for bad arguments.
+The first line printed is always ``seed: N``; ``--seed N`` replays the same per-thread plan.
+
+Test-only: the hidden option ``--plant-bug NAME`` asks scenarios to swap in a deliberate bug
+(``staging-race`` knows ``resurrect``) so that tests can check a violation makes the exit
+status 1. It is not for normal use and is not shown by ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from collections.abc import Sequence
+
+from stress.framework import (
+    QUICK_DURATION_S,
+    Scenario,
+    ScenarioResult,
+    StressConfig,
+    find_scenario,
+    registered,
+    run_scenario,
+)
+from stress.report import invariant_table, summary_table, write_json
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
+    """The argument parser (scenario names are checked against the registry in ``main``).
+
+    ``list_scenarios`` loads the registry to list the scenarios in ``--help``; scenario
+    modules may import heavy dependencies, so ``main`` does that only when help is asked for.
+    """
+    epilog = None
+    if list_scenarios:
+        lines = [f"  {name:18s} {s.description}" for name, s in registered().items()]
+        epilog = "scenarios:\n" + "\n".join(lines)
+    parser = argparse.ArgumentParser(
+        prog="python -m stress",
+        description="Concurrency stress scenarios with named invariants.",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = StressConfig()
+    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
+    parser.add_argument("--threads", type=_positive_int, default=d.threads, help="workers")
+    parser.add_argument("--rooms", type=_positive_int, default=d.rooms, help="room ids")
+    parser.add_argument("--chunks", type=_positive_int, default=d.chunks, help="per room")
+    parser.add_argument("--fault-rate", type=_rate, default=d.fault_rate, help="0..1")
+    parser.add_argument("--peer-kill", action="store_true", help="SIGKILL decode peers")
+    parser.add_argument("--peer-stop", action="store_true", help="SIGSTOP decode peers")
+    parser.add_argument(
+        "--duration", type=_positive_float, default=None, help="seconds per scenario"
+    )
+    parser.add_argument("--seed", type=_seed, default=None, help="replay a plan")
+    parser.add_argument(
+        "--switch-interval", type=_positive_float, default=d.switch_interval,
+        help="sys.setswitchinterval during runs (default 1e-6)",
+    )  # fmt: skip
+    parser.add_argument("--lock", choices=("rw", "mutex"), default=d.lock)
+    parser.add_argument(
+        "--watchdog", type=_positive_float, default=d.watchdog_s,
+        help="seconds without progress that count as a deadlock (default 10)",
+    )  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"~{QUICK_DURATION_S:g} s per scenario"
+    )
+    parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--plant-bug", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (argparse exits 2 itself on bad arguments)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    parser = build_parser(list_scenarios=wants_help)
+    args = parser.parse_args(argv)
+    chosen: dict[str, Scenario] = {}
+    for name in dict.fromkeys(args.scenarios):  # only the named ones get imported
+        found = find_scenario(name)
+        if found is None:
+            parser.error(f"unknown scenario {name!r}; choose from {sorted(registered())}")
+        chosen[name] = found
+    if not chosen:
+        chosen = registered()
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    config = StressConfig(
+        threads=args.threads,
+        rooms=args.rooms,
+        chunks=args.chunks,
+        fault_rate=args.fault_rate,
+        peer_kill=args.peer_kill,
+        peer_stop=args.peer_stop,
+        duration=args.duration,
+        seed=seed,
+        switch_interval=args.switch_interval,
+        lock=args.lock,
+        quick=args.quick,
+        watchdog_s=args.watchdog,
+        plant_bug=args.plant_bug,
+    )
+    print(f"seed: {seed}", flush=True)
+    progress = {"auto": None, "on": True, "off": False}[args.progress]
+    results: list[ScenarioResult] = []
+    for name, scenario in chosen.items():
+        print(
+            f"== {name}: {config.duration_for(scenario):g} s, {config.threads} threads, "
+            f"lock={config.lock}",
+            flush=True,
+        )
+        results.append(run_scenario(scenario, config, progress=progress, hard_exit=True))
+    print()
+    print(summary_table(results))
+    print()
+    print(invariant_table(results))
+    ok = all(r.ok for r in results)
+    print()
+    print(f"seed: {seed}  result: {'PASS' if ok else 'FAIL'}", flush=True)
+    if args.json:
+        write_json(args.json, config, results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,635 @@
+"""The stress framework: configuration, the scenario protocol and registry, the run monitor.
+
+A run of one scenario (:func:`run_scenario`) does, around ``scenario.run(config, monitor)``:
+
+* sets ``sys.setswitchinterval(config.switch_interval)`` (restored after);
+* installs a ``threading.excepthook`` that counts every escaped exception under
+  ``no-escaped-exception`` (and lock-model errors also under ``lock-order``);
+* starts a watchdog thread that fails the run under ``no-deadlock`` (and dumps every thread's
+  stack to stderr) when no progress counter moves for ``config.watchdog_s`` seconds;
+* draws a progress line on stderr when it is a TTY;
+* after the scenario returns, joins every thread started with :meth:`Monitor.spawn` within a
+  bound and counts the survivors under ``no-thread-left``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import math
+import os
+import pkgutil
+import random
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import IO, Protocol
+
+from stress.invariants import (
+    DEADLOCK_ERROR_NAMES,
+    LOCK_ERROR_NAMES,
+    LOCK_ORDER,
+    NO_DEADLOCK,
+    NO_ESCAPED_EXCEPTION,
+    NO_THREAD_LEFT,
+)
+
+QUICK_DURATION_S = 2.0
+"""Per-scenario duration under ``--quick``."""
+
+MAX_EXAMPLES = 5
+"""Violation details kept per invariant (the count is always exact)."""
+
+JSONValue = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
+
+
+@dataclass(frozen=True)
+class StressConfig:
+    """Everything the CLI passes to a scenario. Scenarios ignore options that do not apply.
+
+    ``duration`` is ``None`` for "the scenario's default" (or :data:`QUICK_DURATION_S` under
+    ``quick``). ``plant_bug`` is test-only: it names a deliberate bug a scenario swaps in so
+    that tests can check the invariants fail.
+    """
+
+    threads: int = 4
+    rooms: int = 32
+    chunks: int = 8
+    fault_rate: float = 0.01
+    peer_kill: bool = False
+    peer_stop: bool = False
+    duration: float | None = None
+    seed: int = 0
+    switch_interval: float = 1e-6
+    lock: str = "rw"
+    quick: bool = False
+    watchdog_s: float = 10.0
+    plant_bug: str | None = None
+
+    def duration_for(self, scenario: Scenario) -> float:
+        """Seconds to run ``scenario``: ``--duration``, else 2 s under ``--quick``, else its
+        default."""
+        if self.duration is not None:
+            return self.duration
+        if self.quick:
+            return QUICK_DURATION_S
+        return float(scenario.default_duration)
+
+    def rng(self, thread_index: int) -> random.Random:
+        """The random source of worker ``thread_index``: ``Random(seed + thread_index)``."""
+        return random.Random(self.seed + thread_index)
+
+    def to_json(self) -> dict[str, JSONValue]:
+        """The config as a JSON-ready dict."""
+        out: dict[str, JSONValue] = {}
+        for key, value in asdict(self).items():
+            out[key] = value
+        return out
+
+
+@dataclass
+class ScenarioMetrics:
+    """What a scenario hands back besides the counters the monitor already holds.
+
+    ``lock``: counters of the main lock under test (e.g. ``LockStats`` as a dict), or
+    ``None``. ``extra``: anything scenario-specific worth putting in the JSON.
+    """
+
+    lock: dict[str, JSONValue] | None = None
+    extra: dict[str, JSONValue] = field(default_factory=dict)
+
+
+class Scenario(Protocol):
+    """One stress scenario. Implementations may use plain class attributes for the four
+    read-only members.
+
+    ``run`` must: start its threads with :meth:`Monitor.spawn`, drive them until
+    ``monitor.deadline`` passes or ``monitor.stop`` is set, count work in the per-thread
+    :class:`WorkerCounters` from :meth:`Monitor.counters`, report broken invariants with
+    :meth:`Monitor.violation` (names from :mod:`stress.invariants`), join its threads, check
+    its end-of-run invariants, and return :class:`ScenarioMetrics`. Random choices of worker
+    ``i`` come from ``config.rng(i)`` so ``--seed`` replays the plan. It should not raise
+    (an exception it raises is counted under ``no-escaped-exception``).
+    """
+
+    @property
+    def name(self) -> str:
+        """CLI name, e.g. ``"staging-race"``."""
+        ...
+
+    @property
+    def description(self) -> str:
+        """One line for ``--help``."""
+        ...
+
+    @property
+    def default_duration(self) -> float:
+        """Seconds of a full (non-quick) run."""
+        ...
+
+    @property
+    def invariants(self) -> tuple[str, ...]:
+        """The invariant names this scenario checks (all are reported, 0 = held)."""
+        ...
+
+    def run(self, config: StressConfig, monitor: Monitor) -> ScenarioMetrics:
+        """Run the scenario once; see the class docstring."""
+        ...
+
+
+# ---------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, Scenario] = {}
+_LOADED = False
+
+
+def register(scenario: Scenario) -> Scenario:
+    """Add ``scenario`` to the registry under ``scenario.name``; returns it.
+
+    Raises:
+        ValueError: another scenario already has that name.
+    """
+    existing = _REGISTRY.get(scenario.name)
+    if existing is not None and existing is not scenario:
+        raise ValueError(f"stress scenario {scenario.name!r} registered twice")
+    _REGISTRY[scenario.name] = scenario
+    return scenario
+
+
+def load_scenarios() -> None:
+    """Import every module of :mod:`stress.scenarios` (each registers itself). Idempotent."""
+    global _LOADED
+    if _LOADED:
+        return
+    package = importlib.import_module("stress.scenarios")
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"stress.scenarios.{info.name}")
+    _LOADED = True
+
+
+def find_scenario(name: str) -> Scenario | None:
+    """The scenario called ``name``, or ``None``.
+
+    Tries the module named after it first (``staging-race`` -> ``stress.scenarios.staging_race``)
+    so that running one scenario does not import every other scenario's dependencies; falls
+    back to loading them all.
+    """
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    module = "stress.scenarios." + name.replace("-", "_")
+    if name.replace("-", "_").isidentifier() and not name.startswith("_"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    if name not in _REGISTRY:
+        load_scenarios()
+    return _REGISTRY.get(name)
+
+
+def registered() -> dict[str, Scenario]:
+    """All registered scenarios by name, in registration order (loads them first)."""
+    load_scenarios()
+    return dict(_REGISTRY)
+
+
+# ---------------------------------------------------------------------------- monitor
+
+
+class WorkerCounters:
+    """Progress counters of ONE thread; only that thread writes them (no lock needed)."""
+
+    __slots__ = ("faults", "ops", "rooms")
+
+    def __init__(self) -> None:
+        self.ops = 0
+        self.rooms = 0
+        self.faults = 0
+
+
+@dataclass(frozen=True)
+class InvariantReport:
+    """One invariant's outcome: violation count and up to :data:`MAX_EXAMPLES` details."""
+
+    name: str
+    violations: int
+    examples: tuple[str, ...] = ()
+
+    @property
+    def held(self) -> bool:
+        """``True`` if there was no violation."""
+        return self.violations == 0
+
+
+class Monitor:
+    """Shared state of one scenario run: counters, violations, threads, latencies.
+
+    Thread-safety: every method may be called from any thread. ``stop`` is set by the
+    watchdog on a stall (and by the framework at the end); workers should poll it.
+    """
+
+    def __init__(
+        self,
+        scenario: str,
+        invariants: Sequence[str],
+        *,
+        duration_s: float,
+        watchdog_s: float,
+    ) -> None:
+        self.scenario = scenario
+        self.duration_s = duration_s
+        self.watchdog_s = watchdog_s
+        self.stop = threading.Event()
+        self.started = time.monotonic()
+        self.deadline = self.started + duration_s
+        self.total_rooms: int | None = None
+        self._lock = threading.Lock()  # guards the fields below
+        self._violations: dict[str, int] = dict.fromkeys(invariants, 0)
+        self._examples: dict[str, list[str]] = {name: [] for name in invariants}
+        self._counters: list[WorkerCounters] = []
+        self._threads: list[threading.Thread] = []
+        self._latencies: list[float] = []
+        self._deadlocked = False
+        self._reported_alive: set[str] = set()
+
+    # -- counters ----------------------------------------------------------------------
+
+    def counters(self) -> WorkerCounters:
+        """A fresh counter set for the calling thread (register once, write it alone)."""
+        mine = WorkerCounters()
+        with self._lock:
+            self._counters.append(mine)
+        return mine
+
+    def totals(self) -> tuple[int, int, int]:
+        """``(ops, rooms, faults)`` summed over all counters (racy reads; for display)."""
+        with self._lock:
+            counters = list(self._counters)
+        return (
+            sum(c.ops for c in counters),
+            sum(c.rooms for c in counters),
+            sum(c.faults for c in counters),
+        )
+
+    def latency(self, seconds: float) -> None:
+        """Record one room-lifecycle latency."""
+        with self._lock:
+            self._latencies.append(seconds)
+
+    def latencies(self) -> list[float]:
+        """A copy of the recorded latencies, in seconds."""
+        with self._lock:
+            return list(self._latencies)
+
+    # -- invariants --------------------------------------------------------------------
+
+    def violation(self, invariant: str, detail: str) -> None:
+        """Count one violation of ``invariant`` (keeping the first few details)."""
+        with self._lock:
+            self._violations[invariant] = self._violations.get(invariant, 0) + 1
+            examples = self._examples.setdefault(invariant, [])
+            if len(examples) < MAX_EXAMPLES:
+                examples.append(detail)
+
+    def exception(self, exc: BaseException, where: str) -> None:
+        """Count an exception that escaped (or would have escaped) a worker."""
+        detail = f"{where}: {type(exc).__name__}: {exc}"
+        self.violation(NO_ESCAPED_EXCEPTION, detail)
+        if type(exc).__name__ in LOCK_ERROR_NAMES:
+            self.violation(LOCK_ORDER, detail)
+        elif type(exc).__name__ in DEADLOCK_ERROR_NAMES:
+            self.deadlock(detail)
+
+    def deadlock(self, detail: str) -> None:
+        """Record a stall once: dump every thread's stack to stderr and set ``stop``."""
+        with self._lock:
+            first = not self._deadlocked
+            self._deadlocked = True
+        if first:
+            print(f"\n[{self.scenario}] DEADLOCK? {detail}; stacks follow", file=sys.stderr)
+            dump_stacks(sys.stderr)
+            self.violation(NO_DEADLOCK, detail)
+        self.stop.set()
+
+    def reports(self) -> tuple[InvariantReport, ...]:
+        """Per-invariant outcome, in declaration order (undeclared names after)."""
+        with self._lock:
+            return tuple(
+                InvariantReport(name, count, tuple(self._examples.get(name, ())))
+                for name, count in self._violations.items()
+            )
+
+    # -- threads -----------------------------------------------------------------------
+
+    def spawn(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Start a daemon thread running ``target``; what it raises is counted, not lost."""
+
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:  # counted as a violation; the thread just ends
+                self.exception(exc, name)
+
+        thread = threading.Thread(target=run, name=f"{self.scenario}:{name}", daemon=True)
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+        return thread
+
+    def join_all(self, timeout: float) -> list[str]:
+        """Join every spawned thread within ``timeout`` s in all; count and name survivors."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._threads)
+        alive: list[str] = []
+        for thread in threads:
+            thread.join(max(0.0, end - time.monotonic()))
+            if thread.is_alive():
+                alive.append(thread.name)
+        with self._lock:
+            fresh = [name for name in alive if name not in self._reported_alive]
+            self._reported_alive.update(fresh)
+        for name in fresh:  # each survivor is counted once, however often it is joined
+            self.violation(NO_THREAD_LEFT, f"thread {name} still alive after {timeout:g} s")
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+        return alive
+
+    def time_left(self) -> float:
+        """Seconds until ``deadline`` (<= 0 once passed)."""
+        return self.deadline - time.monotonic()
+
+    def running(self) -> bool:
+        """``True`` until the deadline passes or ``stop`` is set."""
+        return not self.stop.is_set() and time.monotonic() < self.deadline
+
+    def excepthook(self, args: threading.ExceptHookArgs) -> None:
+        """``threading.excepthook`` replacement installed during a run."""
+        if args.exc_type is SystemExit:
+            return
+        exc = args.exc_value if args.exc_value is not None else args.exc_type()
+        where = args.thread.name if args.thread is not None else "thread"
+        self.exception(exc, f"excepthook[{where}]")
+
+    # -- progress ----------------------------------------------------------------------
+
+    def progress_line(self) -> str:
+        """One progress line: elapsed bar, ops, rooms (of total), faults, rate."""
+        ops, rooms, faults = self.totals()
+        elapsed = max(1e-9, time.monotonic() - self.started)
+        frac = min(1.0, elapsed / self.duration_s) if self.duration_s > 0 else 1.0
+        width = 20
+        done = int(frac * width)
+        bar = "#" * done + "." * (width - done)
+        rooms_txt = f"{rooms:,}" if self.total_rooms is None else f"{rooms:,}/{self.total_rooms:,}"
+        return (
+            f"[{self.scenario}] [{bar}] {elapsed:5.1f}/{self.duration_s:.1f}s "
+            f"ops {ops:,}  rooms {rooms_txt}  faults {faults:,}  "
+            f"{_si(ops / elapsed)} ops/s  {_si(rooms / elapsed)} rooms/s"
+        )
+
+
+def dump_stacks(stream: IO[str]) -> None:
+    """Every thread's stack to ``stream``: ``faulthandler`` when ``stream`` has a file
+    descriptor, else (e.g. under pytest's capture) the same from ``sys._current_frames``."""
+    try:
+        stream.flush()
+        faulthandler.dump_traceback(file=stream, all_threads=True)
+        return
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        pass
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        stream.write(f"Thread {names.get(ident, hex(ident))} (most recent call last):\n")
+        stream.write("".join(traceback.format_stack(frame)))
+    stream.flush()
+
+
+def _si(value: float) -> str:
+    if value >= 1e6:
+        return f"{value / 1e6:.1f}M"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f}k"
+    return f"{value:.0f}"
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile ``q`` (0..100) of ``values``; ``None`` if empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    """The outcome of one scenario run (what the summary table and ``--json`` show)."""
+
+    name: str
+    seed: int
+    threads: int
+    duration_s: float
+    elapsed_s: float
+    ops: int
+    rooms: int
+    faults: int
+    latency_p50_ms: float | None
+    latency_p99_ms: float | None
+    lock: dict[str, JSONValue] | None
+    invariants: tuple[InvariantReport, ...]
+    extra: dict[str, JSONValue] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """``True`` if every invariant held."""
+        return all(inv.held for inv in self.invariants)
+
+    @property
+    def violations(self) -> int:
+        """Total violations over all invariants."""
+        return sum(inv.violations for inv in self.invariants)
+
+    @property
+    def ops_per_s(self) -> float:
+        """Operations per second of wall time."""
+        return self.ops / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def rooms_per_s(self) -> float:
+        """Room lifecycles per second of wall time."""
+        return self.rooms / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, JSONValue]:
+        """The result as a JSON-ready dict."""
+        return {
+            "name": self.name,
+            "ok": self.ok,
+            "seed": self.seed,
+            "threads": self.threads,
+            "duration_s": self.duration_s,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "ops": self.ops,
+            "rooms": self.rooms,
+            "faults": self.faults,
+            "ops_per_s": round(self.ops_per_s, 1),
+            "rooms_per_s": round(self.rooms_per_s, 1),
+            "latency_p50_ms": self.latency_p50_ms,
+            "latency_p99_ms": self.latency_p99_ms,
+            "lock": self.lock,
+            "violations": self.violations,
+            "invariants": {
+                inv.name: {"violations": inv.violations, "examples": list(inv.examples)}
+                for inv in self.invariants
+            },
+            "extra": self.extra,
+        }
+
+
+# ---------------------------------------------------------------------------- running
+
+
+class _Watchdog:
+    """Fails the run when no counter moves for ``period`` s; optionally hard-exits later."""
+
+    def __init__(self, monitor: Monitor, period: float, hard_exit: bool) -> None:
+        self._monitor = monitor
+        self._period = period
+        self._hard_exit = hard_exit
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stress-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def finish(self) -> None:
+        self._done.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        tick = min(0.25, self._period / 4)
+        last = self._monitor.totals()
+        last_move = time.monotonic()
+        while not self._done.wait(tick):
+            now_totals = self._monitor.totals()
+            now = time.monotonic()
+            if now_totals != last:
+                last, last_move = now_totals, now
+                continue
+            if now - last_move >= self._period:
+                self._monitor.deadlock(f"no progress for {self._period:g} s")
+                # Lock waits time out after 2 periods and joins are bounded by one period each,
+                # so a run that is not done 5 periods after the stall is stuck for good.
+                if self._hard_exit and not self._done.wait(5 * self._period):
+                    print(
+                        f"[{self._monitor.scenario}] still stuck {self._period:g} s after the "
+                        "stall: exiting with status 1",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(1)
+                return
+
+
+class _Progress:
+    """Redraws :meth:`Monitor.progress_line` on a TTY every 0.2 s."""
+
+    def __init__(self, monitor: Monitor, stream: IO[str]) -> None:
+        self._monitor = monitor
+        self._stream = stream
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stress-progress", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def finish(self) -> None:
+        self._done.set()
+        self._thread.join(5.0)
+        self._draw()
+        self._stream.write("\n")
+        self._stream.flush()
+
+    def _draw(self) -> None:
+        self._stream.write("\r" + self._monitor.progress_line() + "\x1b[K")
+        self._stream.flush()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.2):
+            self._draw()
+
+
+def run_scenario(
+    scenario: Scenario,
+    config: StressConfig,
+    *,
+    progress: bool | None = None,
+    hard_exit: bool = False,
+    stream: IO[str] | None = None,
+) -> ScenarioResult:
+    """Run ``scenario`` once under the framework's checks (see the module docstring).
+
+    ``progress=None`` draws the progress line only if ``stream`` (default stderr) is a TTY.
+    ``hard_exit=True`` (the CLI) makes the watchdog ``os._exit(1)`` if the run is still stuck
+    five watchdog periods after a detected stall.
+    """
+    out = stream if stream is not None else sys.stderr
+    duration = config.duration_for(scenario)
+    monitor = Monitor(
+        scenario.name,
+        scenario.invariants,
+        duration_s=duration,
+        watchdog_s=config.watchdog_s,
+    )
+    show = out.isatty() if progress is None else progress
+    old_switch = sys.getswitchinterval()
+    old_hook = threading.excepthook
+    watchdog = _Watchdog(monitor, config.watchdog_s, hard_exit)
+    bar = _Progress(monitor, out) if show else None
+    metrics = ScenarioMetrics()
+    threading.excepthook = monitor.excepthook
+    sys.setswitchinterval(config.switch_interval)
+    started = time.perf_counter()
+    try:
+        watchdog.start()
+        if bar is not None:
+            bar.start()
+        try:
+            metrics = scenario.run(config, monitor)
+        except Exception as exc:  # a scenario bug or a broken invariant that raised
+            monitor.exception(exc, f"{scenario.name}.run")
+    finally:
+        elapsed = time.perf_counter() - started
+        monitor.stop.set()
+        monitor.join_all(timeout=config.watchdog_s)
+        watchdog.finish()
+        if bar is not None:
+            bar.finish()
+        sys.setswitchinterval(old_switch)
+        threading.excepthook = old_hook
+    ops, rooms, faults = monitor.totals()
+    lat = monitor.latencies()
+    p50, p99 = percentile(lat, 50), percentile(lat, 99)
+    return ScenarioResult(
+        name=scenario.name,
+        seed=config.seed,
+        threads=config.threads,
+        duration_s=duration,
+        elapsed_s=elapsed,
+        ops=ops,
+        rooms=rooms,
+        faults=faults,
+        latency_p50_ms=None if p50 is None else round(p50 * 1e3, 3),
+        latency_p99_ms=None if p99 is None else round(p99 * 1e3, 3),
+        lock=metrics.lock,
+        invariants=monitor.reports(),
+        extra=metrics.extra,
+    )
