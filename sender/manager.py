@@ -536,14 +536,15 @@ class KVManager:
                     f"chunk ends at page {end}, past num_kv_indices={entry.num_kv_indices}"
                 )
             for info in infos.values():
-                keep = np.arange(start, end) >= info.decode_prefix_len
+                # Pages before the decode prefix are already at the peer: skip them.
+                skip = min(max(info.decode_prefix_len - start, 0), end - start)
                 jobs.append(
                     ChunkJob(
                         handle,
                         chunk_idx,
                         info.session_id,
-                        np.ascontiguousarray(kv_indices[keep], dtype=np.int64),
-                        np.ascontiguousarray(info.dst_pages[start:end][keep]),
+                        np.ascontiguousarray(kv_indices[skip:], dtype=np.int64),
+                        info.dst_pages[start + skip : end],
                         info.byte_range,
                         info.dst_region,
                         is_last,

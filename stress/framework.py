@@ -360,6 +360,12 @@ class Monitor:
             self._threads = [t for t in self._threads if t.is_alive()]
         return alive
 
+    def restart_clock(self) -> None:
+        """Start the run's duration now: for scenarios with a slow set-up (peer processes)."""
+        with self._lock:
+            self.started = time.monotonic()
+            self.deadline = self.started + self.duration_s
+
     def time_left(self) -> float:
         """Seconds until ``deadline`` (<= 0 once passed)."""
         return self.deadline - time.monotonic()

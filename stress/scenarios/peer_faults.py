@@ -69,6 +69,7 @@ class PeerFaults:
                     break
 
         with sender_rig(config, SESSIONS, PEER_PAGES) as rig:
+            monitor.restart_clock()  # the duration counts from here, not from peer start-up
             faults = {"kill": 0, "stop": 0, "restart_failures": 0}
             monitor.spawn(rig.scheduler(monitor, on_outcome), "scheduler")
             monitor.spawn(rig.reaper(monitor, 1000), "reaper")

@@ -44,6 +44,7 @@ class SenderLifecycle:
 
     def run(self, config: StressConfig, monitor: Monitor) -> ScenarioMetrics:
         with sender_rig(config, ("decode-0",), PEER_PAGES) as rig:
+            monitor.restart_clock()  # the duration counts from here, not from peer start-up
             scheduler = monitor.spawn(rig.scheduler(monitor), "scheduler")
             monitor.spawn(rig.reaper(monitor, 1000), "reaper")
             scheduler.join(monitor.time_left() + monitor.watchdog_s)
