@@ -66,6 +66,52 @@ def test_quick_staging_race_holds_every_invariant(tmp_path: Path) -> None:
     assert scenario["extra"]["linearizability_rounds"] > 0  # and the probe rounds
 
 
+@pytest.mark.nixl
+@pytest.mark.timeout(120)
+def test_quick_sender_scenarios_hold_every_invariant(tmp_path: Path) -> None:
+    """The two NIXL scenarios (real peer processes, injected faults, SIGKILL/SIGSTOP)."""
+    out = tmp_path / "stress.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stress",
+            "sender-lifecycle",
+            "peer-faults",
+            "--quick",
+            "--seed",
+            "3",
+            "--fault-rate",
+            "0.05",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is True
+    by_name = {s["name"]: s for s in doc["scenarios"]}
+    assert set(by_name) == {"sender-lifecycle", "peer-faults"}
+    for scenario in by_name.values():
+        assert scenario["rooms"] > 0
+        assert {"no-leak", "rooms-concluded", "bytes-verified", "no-resurrection"} <= set(
+            scenario["invariants"]
+        )
+        assert all(inv["violations"] == 0 for inv in scenario["invariants"].values())
+        assert scenario["extra"]["verified"] > 0
+    assert by_name["sender-lifecycle"]["extra"]["faults_injected"] > 0
+    peer = by_name["peer-faults"]["extra"]
+    assert peer["peer_kills"] + peer["peer_stops"] > 0
+
+
 @pytest.mark.parametrize(
     "args",
     [
