@@ -24,12 +24,32 @@ from sender.transport import NixlTransport
 from staging.buffers import StagingBufferPool
 from staging.context import StagingContext
 from stress.framework import JSONValue, Monitor, StressConfig, WorkerCounters
-from stress.invariants import NO_ESCAPED_EXCEPTION, NO_LEAK, NO_RESURRECTION, describe
+from stress.invariants import (
+    LOCK_ORDER,
+    NO_DEADLOCK,
+    NO_ESCAPED_EXCEPTION,
+    NO_LEAK,
+    NO_RESURRECTION,
+    NO_THREAD_LEFT,
+    describe,
+)
 
 ROOMS_CONCLUDED = describe(
     "rooms-concluded", "every room concluded Success or Failed (a dead peer's within 1 s)"
 )
 BYTES_VERIFIED = describe("bytes-verified", "every verifiable Success room's bytes match")
+
+SENDER_INVARIANTS = (
+    NO_ESCAPED_EXCEPTION,
+    ROOMS_CONCLUDED,
+    BYTES_VERIFIED,
+    NO_LEAK,
+    NO_RESURRECTION,
+    LOCK_ORDER,
+    NO_DEADLOCK,
+    NO_THREAD_LEFT,
+)
+"""What both sender scenarios check."""
 
 PAGE_BYTES = 4096
 KV_PAGES = 1024

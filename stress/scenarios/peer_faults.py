@@ -17,17 +17,9 @@ from collections.abc import Callable
 from sender.driver import RoomOutcome
 from sender.poll import KVPoll
 from stress.framework import Monitor, ScenarioMetrics, StressConfig, register
-from stress.invariants import (
-    LOCK_ORDER,
-    NO_DEADLOCK,
-    NO_ESCAPED_EXCEPTION,
-    NO_LEAK,
-    NO_RESURRECTION,
-    NO_THREAD_LEFT,
-)
 from stress.scenarios._sender_rig import (
-    BYTES_VERIFIED,
     ROOMS_CONCLUDED,
+    SENDER_INVARIANTS,
     TRANSFER_TIMEOUT_S,
     SenderRig,
     sender_rig,
@@ -43,16 +35,7 @@ class PeerFaults:
     name = "peer-faults"
     description = "sender-lifecycle with decode peers SIGKILLed/restarted and SIGSTOPped"
     default_duration = 20.0
-    invariants = (
-        NO_ESCAPED_EXCEPTION,
-        ROOMS_CONCLUDED,
-        BYTES_VERIFIED,
-        NO_LEAK,
-        NO_RESURRECTION,
-        LOCK_ORDER,
-        NO_DEADLOCK,
-        NO_THREAD_LEFT,
-    )
+    invariants = SENDER_INVARIANTS
 
     def run(self, config: StressConfig, monitor: Monitor) -> ScenarioMetrics:
         kinds = [k for k, on in (("kill", config.peer_kill), ("stop", config.peer_stop)) if on]

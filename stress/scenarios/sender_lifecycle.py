@@ -14,15 +14,7 @@ lock order (debug locks); no deadlock; no thread left.
 from __future__ import annotations
 
 from stress.framework import Monitor, ScenarioMetrics, StressConfig, register
-from stress.invariants import (
-    LOCK_ORDER,
-    NO_DEADLOCK,
-    NO_ESCAPED_EXCEPTION,
-    NO_LEAK,
-    NO_RESURRECTION,
-    NO_THREAD_LEFT,
-)
-from stress.scenarios._sender_rig import BYTES_VERIFIED, ROOMS_CONCLUDED, sender_rig
+from stress.scenarios._sender_rig import SENDER_INVARIANTS, sender_rig
 
 PEER_PAGES = 1024
 
@@ -31,16 +23,7 @@ class SenderLifecycle:
     name = "sender-lifecycle"
     description = "scheduler + workers + injected NIXL faults + foreign purges, real peer"
     default_duration = 20.0
-    invariants = (
-        NO_ESCAPED_EXCEPTION,
-        ROOMS_CONCLUDED,
-        BYTES_VERIFIED,
-        NO_LEAK,
-        NO_RESURRECTION,
-        LOCK_ORDER,
-        NO_DEADLOCK,
-        NO_THREAD_LEFT,
-    )
+    invariants = SENDER_INVARIANTS
 
     def run(self, config: StressConfig, monitor: Monitor) -> ScenarioMetrics:
         with sender_rig(config, ("decode-0",), PEER_PAGES) as rig:
