@@ -164,6 +164,8 @@ def _explore(rig_cls: type[Rig], workers: list[Any], label: str) -> Any:
 # order it explores them all (1,000+) and catches it at once. The planted test pins that.
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)  # ~1,100-1,300 traced runs: 60 s quiet, 2 min+ on a loaded machine
 @pytest.mark.usefixtures("frontrun_enabled")
 def test_clear_against_worker_conclude_all_interleavings() -> None:
     result = _explore(Rig, [Rig.conclude, Rig.clear], "conclude vs clear")
@@ -177,7 +179,7 @@ def test_two_clears_all_interleavings() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 @pytest.mark.usefixtures("frontrun_enabled")
 def test_two_clears_against_worker_conclude_one_preemption() -> None:
     """Three threads: exhaustive is out of reach here (>100k runs); every interleaving
