@@ -151,13 +151,14 @@ class PlainSets:
 Work = Callable[[range], None]
 
 
-def context_work(ctx: StagingContext) -> Work:
-    """Lifecycles on ``ctx`` with 8 single ``request_prefetch`` calls."""
-    open_room = ctx.open_room
-    request = ctx.request_prefetch
-    mark = ctx.mark_prefetched
-    is_requested = ctx.is_requested
-    purge = ctx.purge_room
+def context_work(book: StagingContext | LockedSets | PlainSets) -> Work:
+    """Lifecycles with 8 single ``request_prefetch`` calls, on a context, the reference or
+    the floor (the same calls; the sets take room ids where a context returns handles)."""
+    open_room = book.open_room
+    request = book.request_prefetch
+    mark = book.mark_prefetched
+    is_requested = book.is_requested
+    purge = book.purge_room
     chunks = range(CHUNKS)
     session = SESSION
 
@@ -165,11 +166,11 @@ def context_work(ctx: StagingContext) -> Work:
         for room in rooms:
             handle = open_room(room)
             for chunk in chunks:
-                request(handle, chunk, session)
-            mark(handle)
+                request(handle, chunk, session)  # type: ignore[arg-type]
+            mark(handle)  # type: ignore[arg-type]
             for chunk in chunks:
-                is_requested(handle, chunk, session)
-            purge(handle)
+                is_requested(handle, chunk, session)  # type: ignore[arg-type]
+            purge(handle)  # type: ignore[arg-type]
 
     return work
 
@@ -196,29 +197,6 @@ def context_batch_work(ctx: StagingContext) -> Work:
     return work
 
 
-def sets_work(book: LockedSets | PlainSets) -> Work:
-    """Lifecycles on the reference or the floor (same calls, room ids for handles)."""
-    open_room = book.open_room
-    request = book.request_prefetch
-    mark = book.mark_prefetched
-    is_requested = book.is_requested
-    purge = book.purge_room
-    chunks = range(CHUNKS)
-    session = SESSION
-
-    def work(rooms: range) -> None:
-        for room in rooms:
-            handle = open_room(room)
-            for chunk in chunks:
-                request(handle, chunk, session)
-            mark(handle)
-            for chunk in chunks:
-                is_requested(handle, chunk, session)
-            purge(handle)
-
-    return work
-
-
 def make_context(variant: str) -> StagingContext | None:
     """A fresh context for a ``StagingContext`` variant; ``None`` for the reference/floor."""
     if variant in ("rw", "mutex", "rw-batch", "mutex-batch"):
@@ -235,7 +213,7 @@ def make_work(variant: str, ctx: StagingContext | None = None) -> Work:
     if ctx is not None:
         batch = variant.endswith("-batch")
         return context_batch_work(ctx) if batch else context_work(ctx)
-    return sets_work(LockedSets() if variant == REFERENCE else PlainSets())
+    return context_work(LockedSets() if variant == REFERENCE else PlainSets())
 
 
 def timed_threads(work: Work, threads: int, per_thread: int) -> float:

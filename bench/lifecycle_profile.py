@@ -40,7 +40,7 @@ from readerwriterlock import rwlock
 
 import staging.context as staging_context
 from bench._harness import format_table, gc_paused, interleave, median, timer_overhead_ns
-from bench.lifecycle import SESSION, LockedSets, PlainSets, context_work, sets_work
+from bench.lifecycle import SESSION, LockedSets, PlainSets, context_work
 from staging import StagingContext
 from staging.errors import LockTimeoutError
 from staging.locks import LockLevel, LockMode, RWLock, make_lock
@@ -208,7 +208,7 @@ def what_if(n: int, rounds: int) -> dict[str, float]:
                 validation=_validation_fast,
             ),
         ),
-        ("lock-ref", _lifecycle_cell(lambda: sets_work(LockedSets()), n)),
+        ("lock-ref", _lifecycle_cell(lambda: context_work(LockedSets()), n)),
     ]
     samples = interleave(cells, rounds)
     return {label: median(values) for label, values in samples.items()}
@@ -271,8 +271,8 @@ def ablation(n: int, rounds: int) -> dict[str, float]:
                 lambda: context_work(_ctx_without_lock()), n, validation=_validation_off
             ),
         ),
-        ("lock-ref", _lifecycle_cell(lambda: sets_work(LockedSets()), n)),
-        ("plain", _lifecycle_cell(lambda: sets_work(PlainSets()), n)),
+        ("lock-ref", _lifecycle_cell(lambda: context_work(LockedSets()), n)),
+        ("plain", _lifecycle_cell(lambda: context_work(PlainSets()), n)),
     ]
     samples = interleave(cells, rounds)
     return {label: median(values) for label, values in samples.items()}
