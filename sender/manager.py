@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -211,15 +211,6 @@ SESSION_FATAL_ERRORS: tuple[type[BaseException], ...] = (
     ),
 )
 
-TABLES = (
-    "request_status",
-    "transfer_infos",
-    "req_to_decode_prefix_len",
-    "exceptions",
-    "failure_records",
-)
-
-
 class KVManager:
     """Per-room state, transfer workers and purge for one prefill sender.
 
@@ -382,13 +373,7 @@ class KVManager:
         held: list[str] = []
         with self._room_lock.read():
             entry = self._rooms.get(room)
-            for name, table in (
-                ("rooms", self._rooms),
-                ("request_status", self._request_status),
-                ("transfer_infos", self._transfer_infos),
-                ("req_to_decode_prefix_len", self._req_to_decode_prefix_len),
-                ("exceptions", self._exceptions),
-            ):
+            for name, table in (("rooms", self._rooms), *self._room_tables()):
                 if room in table:
                     held.append(name)
             if entry is not None and entry.inflight:
@@ -625,12 +610,7 @@ class KVManager:
             status = self._request_status.get(room_id)
             tables = [
                 name
-                for name, table in (
-                    ("request_status", self._request_status),
-                    ("transfer_infos", self._transfer_infos),
-                    ("req_to_decode_prefix_len", self._req_to_decode_prefix_len),
-                    ("exceptions", self._exceptions),
-                )
+                for name, table in self._room_tables()
                 if table.pop(room_id, None) is not None
             ]
             staged = self.staging.purge_room(entry.handle)
@@ -857,6 +837,16 @@ class KVManager:
                 self._counts["refused_late_writes"] += 1
             return None
         return entry
+
+    def _room_tables(self) -> tuple[tuple[str, dict[int, Any]], ...]:
+        """The per-room tables guarded by ``_room_lock``, by name (``failure_records`` has
+        its own lock). Caller holds ``_room_lock``."""
+        return (
+            ("request_status", self._request_status),
+            ("transfer_infos", self._transfer_infos),
+            ("req_to_decode_prefix_len", self._req_to_decode_prefix_len),
+            ("exceptions", self._exceptions),
+        )
 
     def _set_status(self, room: int, status: KVPoll) -> None:
         """Caller holds the write lock and checked the room is live."""

@@ -263,8 +263,7 @@ class StagingContext:
             if fresh:
                 requests.update(fresh)  # one atomic call: lock-free readers see all or none
                 added.extend(c for c, _ in fresh)
-                by_room = self._session_rooms.setdefault(session_id, {})
-                by_room[room_id] = by_room.get(room_id, 0) + len(added)
+                self._add_session_ref(session_id, room_id, len(added))
                 self._requested_keys += len(added)
         return frozenset(added)
 
@@ -464,9 +463,9 @@ class StagingContext:
             self._refused += 1
         return state
 
-    def _add_session_ref(self, session_id: str, room_id: int) -> None:
+    def _add_session_ref(self, session_id: str, room_id: int, keys: int = 1) -> None:
         by_room = self._session_rooms.setdefault(session_id, {})
-        by_room[room_id] = by_room.get(room_id, 0) + 1
+        by_room[room_id] = by_room.get(room_id, 0) + keys
 
     def _drop_session_ref(self, session_id: str, room_id: int) -> None:
         by_room = self._session_rooms[session_id]
