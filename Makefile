@@ -1,5 +1,6 @@
 # All set-up is done by these targets on a fresh machine: `make test` and `make stress`
-# create .venv, install the pinned set from requirements.lock, and run.
+# create .venv, install the pinned set from requirements.lock, and run. pip uses whatever index
+# this machine is configured with: the lock pins versions, not a CPU or CUDA build (README).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export NIXL_LOG_LEVEL ?= WARN
 export PYTHONUNBUFFERED = 1
 
-.PHONY: setup test lint unit stress stress-quick bench bench-quick clean
+.PHONY: setup test lint unit stress stress-quick bench bench-quick clean mutants
 
 setup: $(STAMP)
 
@@ -41,3 +42,9 @@ bench-quick: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
+
+# Mutation check (not part of `make test`): curated concurrency/lifecycle mutants applied to a
+# scratch copy, each run against its fast tests and `stress --quick`. MUTANTS=id1,id2 runs a
+# subset; MUTANTS_ARGS=--list lists them (see --help). Report: build/mutants/report.json.
+mutants: $(STAMP)
+	$(PY) -m tools.mutants $(if $(MUTANTS),--only $(MUTANTS)) $(MUTANTS_ARGS)

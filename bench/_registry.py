@@ -56,6 +56,11 @@ BENCHMARKS: tuple[BenchSpec, ...] = (
         "room lifecycle bookkeeping, 1-8 threads: rw / mutex / threading.Lock reference",
     ),
     BenchSpec(
+        "compat",
+        "bench.compat",
+        "compat views: `in` and purge_room vs bare sets, is_requested and the upstream rebind",
+    ),
+    BenchSpec(
         "transfer-share",
         "bench.transfer_share",
         "bookkeeping share of a real 8 x 1 MiB room over NIXL to a peer process",
@@ -69,6 +74,11 @@ BENCHMARKS: tuple[BenchSpec, ...] = (
         "stress-rooms",
         "bench.stress_rooms",
         "sender-lifecycle rooms/s over NIXL: rw vs mutex vs debug locks",
+    ),
+    BenchSpec(
+        "two-hosts",
+        "bench.two_hosts",
+        "GB/s over a tbf-shaped veth link to a peer in its own netns (UCX/TCP) vs the rate",
     ),
 )
 

@@ -78,6 +78,9 @@ class _NullLock:
     def write(self) -> _NoGuard:
         return _NO_GUARD
 
+    def write_untimed(self) -> _NoGuard:
+        return _NO_GUARD
+
 
 def _identity(value: object) -> object:
     return value
@@ -97,8 +100,8 @@ class _RWNoProbe(RWLock):
     """What-if: our RWLock (debug off) without the non-blocking probe before the blocking
     acquire. (It loses the ``contended`` count: this only sizes what the probe costs.)"""
 
-    def _acquire(self, inner: _Inner, mode: LockMode) -> None:
-        if not inner.acquire(True, self._timeout_arg):
+    def _acquire(self, inner: _Inner, mode: LockMode, *, untimed: bool = False) -> None:
+        if not inner.acquire(True, -1.0 if untimed else self._timeout_arg):
             with self._stats_lock:
                 self._timeouts += 1
             raise LockTimeoutError(self._name, mode, self._timeout_arg)
@@ -117,8 +120,8 @@ class _RWNoProbeNoStatsLock(RWLock):
     exact free count needs a lock that counts readers in its own critical section.)
     """
 
-    def _acquire(self, inner: _Inner, mode: LockMode) -> None:
-        if not inner.acquire(True, self._timeout_arg):
+    def _acquire(self, inner: _Inner, mode: LockMode, *, untimed: bool = False) -> None:
+        if not inner.acquire(True, -1.0 if untimed else self._timeout_arg):
             raise LockTimeoutError(self._name, mode, self._timeout_arg)
         if mode == "write":
             self._owner = threading.get_ident()

@@ -9,8 +9,8 @@ x 1 page (4 KiB) through a :class:`sender.manager.KVManager` with 4 transfer wor
 
 Variants, one manager each (all on one transport and one peer), interleaved round by round:
 
-* ``rw`` -- ``StagingContext(lock="rw")``, debug locks off (the default configuration);
-* ``mutex`` -- ``StagingContext(lock="mutex")``, debug locks off;
+* ``rw`` -- ``StagingContext(lock="rw")``, debug locks off;
+* ``mutex`` -- ``StagingContext(lock="mutex")``, debug locks off (the default configuration);
 * ``rw+debug`` -- ``lock="rw"`` with debug locks on (re-entry and lock-order checks) in the
   staging context, the manager and the slot pool, as the stress suite runs it.
 

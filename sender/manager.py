@@ -15,17 +15,23 @@ transfers. :meth:`KVManager.purge_room` removes a room from all of them in one s
 
 Rooms follow the staging layer's lifecycle: every write names the :class:`RoomHandle` of the
 opening it belongs to, and a write for a purged (or reopened) room is refused and counted,
-never allowed to re-create the room. A worker that dequeues a chunk of a purged room skips it.
+never allowed to re-create the room. A worker that dequeues a chunk of a purged or failed
+room skips it; a chunk already posted when its room is purged *drains* (NIXL cannot cancel a
+write): see :meth:`KVManager.draining` and :meth:`KVManager.wait_drained`.
 
-Lock hierarchy (``staging.locks.LockLevel``; a thread takes them in this order only):
-``_room_lock`` (ROOM) -> the staging context's lock (STAGING) -> the slot pool's lock (POOL)
--> ``failure_lock`` (FAILURE) -> a transport transfer's lock (TRANSFER). NIXL calls that may
-block (posting, releasing) are never made while a lock of the model is held.
+Lock hierarchy (``staging.locks.LockLevel``; a thread takes them in this order only): a
+room's post gate (ROOM_GATE) -> ``_room_lock`` (ROOM) -> the staging context's lock
+(STAGING) -> the slot pool's lock (POOL) -> ``failure_lock`` (FAILURE). The transport's own
+locks are outside the model and innermost. The one lock of the model held across a NIXL call
+is a room's post gate, across the post of one chunk (it makes check-and-post atomic against
+that room's purge); NIXL calls are otherwise never made while a lock of the model is held.
+See docs/THREADING.md.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
@@ -40,24 +46,27 @@ import torch
 
 from sender import _nixl
 from sender.errors import (
-    TRANSPORT_ERRORS,
     KVTransferError,
     TransferFailedError,
     TransferReleasedError,
     TransferTimeoutError,
 )
+from sender.notices import RoomNotice, code_for
 from sender.poll import KVPoll, is_concluded, merge_status
+from sender.transport import poll_pauses
 from staging.buffers import PoolClosedError, PoolExhaustedError, StagingBufferPool, StagingSlot
 from staging.context import RoomHandle, RoomPurge, StagingContext
 from staging.errors import RoomAlreadyOpenError
-from staging.locks import LockLevel, make_lock
-from staging.validate import check_index, check_room_id, check_session_id
+from staging.locks import LockLevel, MutexLock, RWLock, make_lock
+from staging.validate import check_chunk_idx, check_index, check_room_id, check_session_id
 
 PageArray = npt.NDArray[np.int64]
 
 
 class TransferLike(Protocol):
-    """What the manager needs of a transport transfer."""
+    """What the manager needs of a transport transfer (``settled()``, when a transfer has
+    it, tells whether a write that timed out can still move bytes; without it a timed-out
+    transfer counts as settled)."""
 
     def poll(self) -> str: ...
 
@@ -111,11 +120,18 @@ def make_transfer_info(
     """Validate and freeze a :class:`TransferInfo`.
 
     Raises:
-        TypeError, ValueError: bad session id, page list (not 1-D non-negative ints),
-            prefix length, or byte range.
+        TypeError: a page list that does not hold ints (floats and bools are refused), a bad
+            session id, prefix length or byte range type.
+        ValueError: a page list that is not 1-D or has a negative page, a bad prefix length
+            or byte range.
     """
-    check_session_id(session_id)
-    arr = np.array(dst_pages, dtype=np.int64, copy=True)
+    session_id = check_session_id(session_id)
+    raw = np.asarray(dst_pages)
+    if raw.dtype == np.bool_ or not (raw.size == 0 or np.issubdtype(raw.dtype, np.integer)):
+        # float or bool page numbers would be truncated/cast silently: KV pages would land
+        # in the wrong decode slots.
+        raise TypeError(f"dst_pages must hold ints, got dtype {raw.dtype}")
+    arr = np.array(raw, dtype=np.int64, copy=True)
     if arr.ndim != 1:
         raise ValueError("dst_pages must be a 1-D sequence of page indices")
     if arr.size and int(arr.min()) < 0:
@@ -147,32 +163,78 @@ class ChunkJob:
     job_id: int
 
 
-@dataclass(slots=True)
 class _Inflight:
-    """A started chunk: its transfer and slot. Owned by the room entry while registered."""
+    """A started chunk: its transfer and slot.
 
-    job: ChunkJob
-    transfer: TransferLike | None = None
-    slot: StagingSlot | None = None
+    Registered in its room entry's ``inflight`` while the room is open, in the manager's
+    ``_draining`` after the room's purge, and in neither once it ended. A chunk *ends* exactly
+    once: the thread that wins ``_claim`` (a non-blocking acquire, so an atomic test-and-set)
+    alone releases its transfer and slot and does its accounting, whichever thread saw the
+    terminal state first.
+    """
+
+    __slots__ = ("_claim", "hung", "job", "slot", "transfer")
+
+    def __init__(self, job: ChunkJob) -> None:
+        self.job = job
+        # The deadline error of a chunk that timed out while NIXL still had it in progress:
+        # its room is failed, but the chunk has not ended (it may still write) until the
+        # transfer settles. Set once, under the manager's write lock.
+        self.hung: BaseException | None = None
+        # Set by the posting thread, before the chunk is visible to any other thread
+        # (``transfer`` is None while registered-but-not-yet-posted; pollers skip it).
+        self.transfer: TransferLike | None = None
+        self.slot: StagingSlot | None = None
+        self._claim = threading.Lock()  # looked up at call time: DPOR explorers see it
+
+    def claim(self) -> bool:
+        """``True`` for the one caller that gets to end this chunk; ``False`` for all later."""
+        return self._claim.acquire(False)
+
+    @property
+    def ended(self) -> bool:
+        """``True`` once some thread claimed the chunk's end."""
+        return self._claim.locked()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _RoomEntry:
-    """Bookkeeping of one open room. Guarded by the manager's ``_room_lock``."""
+    """Bookkeeping of one open room. Guarded by the manager's ``_room_lock``, except
+    ``gate`` (the room's post gate, a lock of level ``ROOM_GATE``)."""
 
     handle: RoomHandle
     sessions: tuple[str, ...]
+    gate: RWLock | MutexLock
     num_kv_indices: int | None = None
     jobs_total: int = 0
     jobs_done: int = 0
     last_chunk_seen: bool = False
     prefetch_requests: int = 0
+    chunk_idxs: set[int] = field(default_factory=set)
     inflight: dict[int, _Inflight] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class ManagerPurge:
-    """What :meth:`KVManager.purge_room` removed, per table (``True`` = the room was there)."""
+    """What :meth:`KVManager.purge_room` removed for one opening of a room.
+
+    Attributes:
+        room: the room id.
+        was_open: ``False`` when there was nothing to purge (already purged, or a stale
+            handle); every other field is then empty.
+        status: the room's status at the purge.
+        tables: names of the per-room tables that held the room.
+        staging: what the staging context removed.
+        slots_released: always 0: a purge returns no staging slot (each is returned by the
+            worker holding it, when it skips its chunk or when the chunk's transfer ends).
+        transfers_released: always 0 since transfers are drained, not released, by a purge
+            (kept for compatibility).
+        exception: the room's stored exception, removed by this purge (this opening's only).
+        failure_record: the room's failure reason, removed by this purge.
+        draining: posted transfers of this opening that were still in flight when the purge
+            returned. Its destination pages (and slots) are safe to reuse only once
+            :meth:`KVManager.draining` for the handle is 0.
+    """
 
     room: int
     was_open: bool
@@ -181,11 +243,22 @@ class ManagerPurge:
     staging: RoomPurge | None
     slots_released: int
     transfers_released: int
+    exception: BaseException | None = None
+    failure_record: str | None = None
+    draining: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class ManagerStats:
-    """Counters of one manager (taken under its lock)."""
+    """Counters of one manager (taken under its lock).
+
+    Every submitted chunk ends exactly once as one of ``chunks_done`` (its room was open),
+    ``chunks_failed`` (its transfer or its start failed while its room was open, including
+    an unexpected error, which also counts in ``worker_errors``),
+    ``chunks_skipped`` (never posted: its room was purged or failed first) or
+    ``chunks_drained`` (posted, then its room was purged before it ended). So at a quiescent
+    point (nothing queued, in flight or draining) ``chunks_submitted`` is their sum.
+    """
 
     open_rooms: int
     rooms_opened: int
@@ -194,10 +267,17 @@ class ManagerStats:
     chunks_done: int
     chunks_skipped: int
     chunks_failed: int
+    chunks_drained: int
+    chunks_released_by_transport: int
     transfers_inflight: int
+    transfers_draining: int
+    transfers_abandoned: int
     refused_late_writes: int
     sessions_failed: int
     worker_errors: int
+    notices_sent: int
+    notices_failed: int
+    notices_withheld: int
 
 
 # Errors that mean the whole decode peer is gone or hung, not just one transfer: every room
@@ -209,6 +289,27 @@ SESSION_FATAL_ERRORS: tuple[type[BaseException], ...] = (
         if _nixl.bindings is not None and hasattr(_nixl.bindings, "nixlRemoteDisconnectError")
         else ()
     ),
+)
+
+_HUNG_SWEEP_S = 0.05
+"""How long an idle worker waits for a job before it re-checks hung chunks."""
+
+_COUNTERS = (
+    "rooms_opened",
+    "purges",
+    "chunks_submitted",
+    "chunks_done",
+    "chunks_skipped",
+    "chunks_failed",
+    "chunks_drained",
+    "chunks_released_by_transport",
+    "transfers_abandoned",
+    "refused_late_writes",
+    "sessions_failed",
+    "worker_errors",
+    "notices_sent",
+    "notices_failed",
+    "notices_withheld",
 )
 
 class KVManager:
@@ -230,9 +331,16 @@ class KVManager:
         slot_timeout_s: how long a worker waits for a free staging slot.
         lock: kind of the manager's room lock (``"mutex"`` or ``"rw"``).
         debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
-        poll_interval_s: how long a worker sleeps between polls of a pending transfer.
+        poll_interval_s: how long a worker sleeps between polls of a pending transfer;
+            ``None`` (default) adapts, as :meth:`sender.transport.Transfer.wait` does
+            (:func:`sender.transport.poll_pauses`: a few GIL-yielding polls, then pauses
+            doubling from 10 µs to 1 ms).
         fail_session_on_disconnect: when a transfer fails because its peer is gone or hung
             (a transport error), fail every room with a transfer to that session at once.
+        notify_decode: tell each decode session of a room that failed or was cleared before
+            ``Success`` (a room notice, :mod:`sender.notices`), once the room's posted chunks
+            have drained; needs a transport with ``send_notif``. Sent by one notifier thread,
+            best effort (counted in ``stats()``), never on the caller's thread.
 
     Raises:
         TypeError, ValueError: bad arguments.
@@ -250,26 +358,30 @@ class KVManager:
         slot_timeout_s: float = 5.0,
         lock: str = "mutex",
         debug: bool | None = None,
-        poll_interval_s: float = 0.0002,
+        poll_interval_s: float | None = None,
         kv_region: str = "kv",
         staging_region: str = "staging",
         fail_session_on_disconnect: bool = True,
+        notify_decode: bool = True,
     ) -> None:
         check_index(num_workers, "num_workers")
         if kv_pool.dim() != 2 or kv_pool.dtype != torch.uint8:
             raise TypeError("kv_pool must be a 2-D uint8 tensor [num_pages, page_bytes]")
-        if not transfer_timeout_s > 0 or not slot_timeout_s >= 0 or not poll_interval_s >= 0:
-            raise ValueError("timeouts must be > 0 and poll_interval_s >= 0")
+        _check_seconds(transfer_timeout_s, "transfer_timeout_s", allow_zero=False)
+        _check_seconds(slot_timeout_s, "slot_timeout_s", allow_zero=True)
+        if poll_interval_s is not None:
+            _check_seconds(poll_interval_s, "poll_interval_s", allow_zero=True)
         self.transport = transport
         self.kv_pool = kv_pool
         self.staging = staging if staging is not None else StagingContext(debug=debug)
         self.staging_pool = staging_pool
         self.transfer_timeout_s = float(transfer_timeout_s)
         self.slot_timeout_s = float(slot_timeout_s)
-        self.poll_interval_s = float(poll_interval_s)
+        self.poll_interval_s = None if poll_interval_s is None else float(poll_interval_s)
         self.kv_region = kv_region
         self.staging_region = staging_region
         self.fail_session_on_disconnect = fail_session_on_disconnect
+        self._debug = debug
 
         self._room_lock = make_lock(lock, "kv-manager", LockLevel.ROOM, debug=debug)
         self.failure_lock = make_lock("mutex", "kv-failure", LockLevel.FAILURE, debug=debug)
@@ -281,22 +393,38 @@ class KVManager:
         self._transfer_infos: dict[int, dict[str, TransferInfo]] = {}
         self._req_to_decode_prefix_len: dict[int, int] = {}
         self._exceptions: dict[int, BaseException] = {}
-        self._counts: dict[str, int] = dict.fromkeys(
-            (
-                "rooms_opened",
-                "purges",
-                "chunks_submitted",
-                "chunks_done",
-                "chunks_skipped",
-                "chunks_failed",
-                "refused_late_writes",
-                "sessions_failed",
-                "worker_errors",
-            ),
-            0,
-        )
+        # _draining: job id -> chunk posted for a room that has since been purged, until the
+        # chunk ends (NIXL cannot cancel a posted write: its bytes may still land, so its
+        # room's destination pages and its staging slot are not free until then).
+        self._draining: dict[int, _Inflight] = {}
+        # _hung: job id -> chunk that timed out while NIXL still had it in progress (still in
+        # its entry's inflight or in _draining too). Swept by idle workers, progress() and
+        # wait_drained() until its transfer settles.
+        self._hung: dict[int, _Inflight] = {}
+        # _closing: set once by close(), under the write lock, so that open_room (which
+        # checks it under the same lock) and close() are mutually atomic.
+        self._closing = False
+        self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         # --- Guarded by failure_lock (taken alone or inside _room_lock). ---
         self._failure_records: dict[int, str] = {}
+        # Last-resort count of worker errors whose own accounting failed (plain int; only
+        # ever incremented by a worker that could not take the lock; read by stats()).
+        self._unaccounted_worker_errors = 0
+
+        # _pending_notices: room notices of purged openings whose posted chunks are still
+        # draining; queued for the notifier when the last one ends. Guarded by _room_lock.
+        self._pending_notices: dict[RoomHandle, tuple[RoomNotice, tuple[str, ...]]] = {}
+        self._notices: queue.SimpleQueue[tuple[RoomNotice, tuple[str, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        send_notif = getattr(transport, "send_notif", None)
+        self._send_notif: Any = send_notif if notify_decode and callable(send_notif) else None
+        self._notifier: threading.Thread | None = None
+        if self._send_notif is not None:
+            self._notifier = threading.Thread(
+                target=self._notifier_main, name="kv-notifier", daemon=True
+            )
+            self._notifier.start()
 
         self._job_ids = itertools.count(1)
         self._queue: queue.SimpleQueue[ChunkJob | None] = queue.SimpleQueue()
@@ -352,24 +480,96 @@ class KVManager:
         Raises:
             TypeError, ValueError: bad ``room``.
         """
-        check_room_id(room)
+        room = check_room_id(room)
         with self._room_lock.read():
             return self._request_status.get(room)
 
+    def handle_status(self, handle: RoomHandle) -> KVPoll | None:
+        """The status of that opening, or ``None`` once it is purged (or ``handle`` is stale).
+        One read-lock acquisition. Thread-safe.
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`RoomHandle`.
+        """
+        _check_handle(handle)
+        with self._room_lock.read():
+            if self._live(handle) is None:
+                return None
+            return self._request_status.get(handle.room)
+
     def is_open(self, handle: RoomHandle) -> bool:
-        """``True`` while that opening of the room is open. Thread-safe; read lock."""
+        """``True`` while that opening of the room is open. Thread-safe; read lock.
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`RoomHandle`.
+        """
+        _check_handle(handle)
         with self._room_lock.read():
             return self._live(handle) is not None
+
+    def draining(self, handle: RoomHandle | None = None) -> int:
+        """What a purged opening (every purged opening with ``None``) still has in flight:
+        its posted chunks that have not ended, plus the staging slots that workers still
+        hold for it (a worker that leased a slot before the purge returns it when it reaches
+        the post fence and skips the chunk). 0 for an open room.
+
+        A purged room's destination pages at the decode side, and its staging slots, may be
+        reused once this is 0 for its handle (NIXL cannot cancel a posted write). Thread-safe;
+        read lock (and the slot pool's lock inside it); does not poll (see
+        :meth:`wait_drained`).
+
+        Raises:
+            TypeError: ``handle`` is neither ``None`` nor a :class:`RoomHandle`.
+        """
+        if handle is not None:
+            _check_handle(handle)
+        with self._room_lock.read():
+            return self._lingering(handle)
+
+    def wait_drained(self, handle: RoomHandle | None = None, timeout_s: float = 5.0) -> bool:
+        """Poll the draining transfers of that opening (all of them with ``None``) until
+        :meth:`draining` is 0 -- each posted chunk has ended (done, failed, past its
+        deadline, or released by the transport) and no worker holds a slot for it -- or
+        until ``timeout_s``. ``True`` when nothing is left. Never raises for a transport
+        error (it is the chunk's outcome). Thread-safe; safe concurrently with the workers
+        (each chunk still ends exactly once).
+
+        Raises:
+            TypeError, ValueError: bad ``handle`` or ``timeout_s`` (not a finite number >= 0).
+        """
+        if handle is not None:
+            _check_handle(handle)
+        _check_seconds(timeout_s, "timeout_s", allow_zero=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._room_lock.read():
+                pending = [
+                    i
+                    for i in self._draining.values()
+                    if handle is None or i.job.handle == handle
+                ]
+                left = self._lingering(handle)
+            if not left:
+                return True
+            for inflight in pending:
+                self._check(inflight)
+            if time.monotonic() >= deadline:
+                return self.draining(handle) == 0
+            time.sleep(0.0002)
 
     def footprint(self, room: int) -> tuple[str, ...]:
         """Names of every table, the staging context or the pool still holding ``room``.
 
-        Empty for a purged room: that is the no-leak invariant. Thread-safe.
+        Empty for a purged room once :meth:`draining` is 0 for it: that is the no-leak
+        invariant (``"draining"`` stays until the room's posted chunks end and
+        ``"staging_pool"`` until the workers holding slots for it have skipped their chunks;
+        :meth:`wait_drained` waits for both). Thread-safe.
 
         Raises:
             TypeError, ValueError: bad ``room``.
+            LockTimeoutError: the staging context's ``lock_timeout`` elapsed.
         """
-        check_room_id(room)
+        room = check_room_id(room)
         held: list[str] = []
         with self._room_lock.read():
             entry = self._rooms.get(room)
@@ -378,6 +578,8 @@ class KVManager:
                     held.append(name)
             if entry is not None and entry.inflight:
                 held.append("inflight")
+            if any(i.job.handle.room == room for i in self._draining.values()):
+                held.append("draining")
         with self.failure_lock.read():
             if room in self._failure_records:
                 held.append("failure_records")
@@ -392,37 +594,46 @@ class KVManager:
     def stats(self) -> ManagerStats:
         """Frozen counters. Thread-safe; read lock."""
         with self._room_lock.read():
+            counts = dict(self._counts)
+            counts["worker_errors"] += self._unaccounted_worker_errors
             return ManagerStats(
                 open_rooms=len(self._rooms),
                 transfers_inflight=sum(len(e.inflight) for e in self._rooms.values()),
-                **self._counts,
+                transfers_draining=len(self._draining),
+                **counts,
             )
 
     # ------------------------------------------------------------------ lifecycle
 
     def open_room(self, room: int, session_ids: Sequence[str]) -> RoomHandle:
-        """Open ``room`` for ``session_ids`` (status ``Bootstrapping``). Thread-safe; atomic.
+        """Open ``room`` for ``session_ids`` (status ``Bootstrapping``). Thread-safe; atomic,
+        also against :meth:`close` (a room opened before ``close`` is purged by it).
 
         Raises:
             RoomAlreadyOpenError: the room is open.
-            TypeError, ValueError: bad room or session ids (none, duplicates, empty).
+            TypeError, ValueError: bad room or session ids (a ``str`` instead of a sequence
+                of them, none, duplicates, empty).
             RuntimeError: the manager is closed.
+            LockTimeoutError: the staging context's ``lock_timeout`` elapsed (nothing opened).
         """
-        check_room_id(room)
-        sessions = tuple(session_ids)
+        room = check_room_id(room)
+        if isinstance(session_ids, (str, bytes)):
+            raise TypeError(
+                f"session_ids must be a sequence of session id strings, got {session_ids!r}"
+            )
+        sessions = tuple(check_session_id(s) for s in session_ids)
         if not sessions:
             raise ValueError("a room needs at least one decode session")
-        for s in sessions:
-            check_session_id(s)
         if len(set(sessions)) != len(sessions):
             raise ValueError(f"duplicate session ids: {sessions}")
-        if self._closed.is_set():
-            raise RuntimeError("KVManager is closed")
+        gate = make_lock("mutex", "kv-room-gate", LockLevel.ROOM_GATE, debug=self._debug)
         with self._room_lock.write():
+            if self._closing:
+                raise RuntimeError("KVManager is closed")
             if room in self._rooms:
                 raise RoomAlreadyOpenError(room)
             handle = self.staging.open_room(room)
-            self._rooms[room] = _RoomEntry(handle, sessions)
+            self._rooms[room] = _RoomEntry(handle, sessions, gate)
             self._request_status[room] = KVPoll.Bootstrapping
             self._counts["rooms_opened"] += 1
         return handle
@@ -434,35 +645,66 @@ class KVManager:
         A purged room refuses (``False``, counted). Thread-safe; write lock; atomic.
 
         Raises:
+            TypeError: ``handle`` or ``info`` of the wrong type.
             ValueError: the session is not one of the room's, or a byte range without a
-                staging pool.
+                staging pool (nothing changes); or ``info`` has fewer destination pages than
+                the ``num_kv_indices`` already declared by ``init_room``: then the info is not
+                stored and the room is **failed** (its stored exception is a
+                :class:`KVTransferError` saying why), so that its scheduler sees ``Failed``.
         """
+        _check_handle(handle)
+        if not isinstance(info, TransferInfo):
+            raise TypeError(f"info must be a TransferInfo, got {type(info).__name__}")
+        # Re-validated and normalised (exact str id, read-only int64 pages): an info built
+        # directly, bypassing make_transfer_info, gets the same checks.
+        info = make_transfer_info(
+            info.session_id,
+            info.dst_pages,
+            decode_prefix_len=info.decode_prefix_len,
+            byte_range=info.byte_range,
+            dst_region=info.dst_region,
+        )
         if info.byte_range is not None and self.staging_pool is None:
             raise ValueError("byte_range (a TP slice of each page) needs a staging pool")
         with self._room_lock.write():
-            entry = self._live(handle)
+            entry = self._live(handle, count=True)
             if entry is None:
                 return False
             if info.session_id not in entry.sessions:
                 raise ValueError(
                     f"session {info.session_id!r} is not a session of room {handle.room}"
                 )
-            infos = self._transfer_infos.setdefault(handle.room, {})
-            infos[info.session_id] = info
-            self._req_to_decode_prefix_len[handle.room] = max(
-                self._req_to_decode_prefix_len.get(handle.room, 0), info.decode_prefix_len
+            short = entry.num_kv_indices is not None and (
+                info.dst_pages.size < entry.num_kv_indices
             )
-            if len(infos) == len(entry.sessions):
-                self._set_status(handle.room, KVPoll.WaitingForInput)
-            return True
+            if short:
+                reason = (
+                    f"session {info.session_id!r} gave {info.dst_pages.size} destination "
+                    f"pages; the room sends num_kv_indices={entry.num_kv_indices}"
+                )
+                self._fail_unlocked(handle, KVTransferError(handle.room, reason), reason)
+            else:
+                infos = self._transfer_infos.setdefault(handle.room, {})
+                infos[info.session_id] = info
+                self._req_to_decode_prefix_len[handle.room] = max(
+                    self._req_to_decode_prefix_len.get(handle.room, 0), info.decode_prefix_len
+                )
+                if len(infos) == len(entry.sessions):
+                    self._set_status(handle.room, KVPoll.WaitingForInput)
+        if short:
+            raise ValueError(f"room {handle.room} failed: {reason}")
+        return True
 
     def init_room(self, handle: RoomHandle, num_kv_indices: int) -> bool:
         """Set how many KV pages the room will send (``init``). Thread-safe; atomic.
 
         Raises:
-            TypeError, ValueError: bad count, or larger than a session's ``dst_pages``.
+            TypeError, ValueError: bad count, or larger than a session's ``dst_pages``
+                (nothing changes; an info that comes later is checked by
+                :meth:`add_transfer_info`).
         """
-        check_index(num_kv_indices, "num_kv_indices")
+        _check_handle(handle)
+        num_kv_indices = check_index(num_kv_indices, "num_kv_indices")
         with self._room_lock.write():
             entry = self._live(handle)
             if entry is None:
@@ -477,7 +719,8 @@ class KVManager:
             return True
 
     def ready(self, handle: RoomHandle) -> bool:
-        """``True`` when every session's info is in and ``init_room`` was called."""
+        """``True`` when every session's info is in and ``init_room`` was called.
+        Thread-safe; read lock."""
         with self._room_lock.read():
             entry = self._live(handle)
             return (
@@ -492,14 +735,17 @@ class KVManager:
         """Queue chunk ``chunk_idx`` (room pages ``[start, start+len)``) for every session.
 
         Returns the number of jobs queued (0 if the room is purged or failed: refused).
-        With ``num_workers=0`` the transfers are started here, on the caller's thread, and a
-        transport error propagates to the caller. Thread-safe.
+        With ``num_workers=0`` the transfers are started here, on the caller's thread; a
+        transport error there fails the room (it is never raised). Thread-safe.
 
         Raises:
-            ValueError: the room is not ready (no infos / no init), indices out of range
-                of the KV pool, or past ``num_kv_indices``.
-            TRANSPORT_ERRORS members (inline mode only).
+            TypeError, ValueError: bad ``chunk_idx``/``start``; the room is not ready (no
+                infos / no init), ``chunk_idx`` already submitted, indices out of range of
+                the KV pool, or past ``num_kv_indices``. Nothing changes in these cases.
         """
+        _check_handle(handle)
+        chunk_idx = check_chunk_idx(chunk_idx)
+        start = check_index(start, "start")
         if kv_indices.size and (
             int(kv_indices.min()) < 0 or int(kv_indices.max()) >= self.kv_pool.shape[0]
         ):
@@ -515,11 +761,19 @@ class KVManager:
             infos = self._transfer_infos.get(handle.room, {})
             if entry.num_kv_indices is None or len(infos) != len(entry.sessions):
                 raise ValueError(f"room {handle.room} is not ready: no transfer info or no init")
+            if chunk_idx in entry.chunk_idxs:
+                raise ValueError(f"chunk {chunk_idx} of room {handle.room} was already submitted")
             end = start + int(kv_indices.size)
             if end > entry.num_kv_indices:
                 raise ValueError(
                     f"chunk ends at page {end}, past num_kv_indices={entry.num_kv_indices}"
                 )
+            for info in infos.values():
+                if info.dst_pages.size < end:  # add_transfer_info refuses these; be sure
+                    raise ValueError(
+                        f"session {info.session_id!r} has {info.dst_pages.size} destination "
+                        f"pages; chunk ends at page {end}"
+                    )
             for info in infos.values():
                 # Pages before the decode prefix are already at the peer: skip them.
                 skip = min(max(info.decode_prefix_len - start, 0), end - start)
@@ -536,34 +790,43 @@ class KVManager:
                         next(self._job_ids),
                     )
                 )
+            entry.chunk_idxs.add(chunk_idx)
             entry.jobs_total += len(jobs)
             entry.last_chunk_seen = entry.last_chunk_seen or is_last
             self._counts["chunks_submitted"] += len(jobs)
             self._set_status(handle.room, KVPoll.Transferring)
             if is_last and not jobs:
                 self._maybe_succeed(entry)
-        if self._workers:
+            if self._workers:
+                # Queued under the lock (SimpleQueue.put never blocks): close() purges this
+                # room after we let go, so its stop sentinels queue behind these jobs and
+                # every submitted chunk is still taken (and skipped) by a worker.
+                for job in jobs:
+                    self._queue.put(job)
+        if not self._workers:
             for job in jobs:
-                self._queue.put(job)
-        else:
-            for job in jobs:
-                self._start_job(job)
+                self._launch(job)
         return len(jobs)
 
     def progress(self, handle: RoomHandle) -> None:
-        """Inline mode: poll the room's pending transfers once each. Thread-safe.
+        """Inline mode: poll the room's pending transfers, and every draining one, once each.
 
-        A transport error propagates (the caller records it with :meth:`record_failure`).
-        No-op with workers.
+        A transport error fails the chunk's room (never raised). Safe from several threads
+        at once: each chunk still ends exactly once. No-op with workers. Thread-safe.
 
         Raises:
-            TRANSPORT_ERRORS members.
+            TypeError: ``handle`` is not a :class:`RoomHandle`.
         """
+        _check_handle(handle)
         if self._workers:
             return
         with self._room_lock.read():
             entry = self._live(handle)
             pending = [] if entry is None else list(entry.inflight.values())
+            pending.extend(self._draining.values())
+            for hung in self._hung.values():  # hung chunks of other open rooms
+                if hung.job.handle.room != handle.room:
+                    pending.append(hung)
         for inflight in pending:
             self._check(inflight)
 
@@ -576,23 +839,45 @@ class KVManager:
         with self._room_lock.write():
             return self._fail_unlocked(handle, exc, reason)
 
-    def pop_exception(self, room: int) -> BaseException | None:
-        """Remove and return the room's stored exception. Thread-safe; write lock."""
-        with self._room_lock.write():
-            return self._exceptions.pop(room, None)
+    def pop_exception(self, handle: RoomHandle) -> BaseException | None:
+        """Remove and return the stored exception of that opening (``None`` if the opening is
+        purged or none is stored). Thread-safe; write lock; atomic with the ownership check.
 
-    def pop_failure_record(self, room: int) -> str | None:
-        """Remove and return the room's failure reason. Thread-safe; failure lock."""
-        with self.failure_lock.write():
-            return self._failure_records.pop(room, None)
+        Raises:
+            TypeError: ``handle`` is not a :class:`RoomHandle`.
+        """
+        _check_handle(handle)
+        with self._room_lock.write():
+            if self._live(handle) is None:
+                return None
+            return self._exceptions.pop(handle.room, None)
+
+    def pop_failure_record(self, handle: RoomHandle) -> str | None:
+        """Remove and return the failure reason of that opening (``None`` if the opening is
+        purged or none is recorded). Thread-safe; write lock, then the failure lock; atomic
+        with the ownership check.
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`RoomHandle`.
+        """
+        _check_handle(handle)
+        with self._room_lock.write():
+            if self._live(handle) is None:
+                return None
+            with self.failure_lock.write():
+                return self._failure_records.pop(handle.room, None)
 
     def purge_room(self, room: int | RoomHandle) -> ManagerPurge:
         """Remove the room from every table, the staging context and the slot pool at once.
 
-        In-flight transfers of the room are released (after the locks are dropped; bytes
-        already posted may still land at the peer). Idempotent; a stale handle never purges
-        a newer opening. Thread-safe: one write critical section (manager -> staging -> pool
-        -> failure lock), then the transfer releases.
+        All-or-nothing and never raises for a state reason: it waits for the room's post
+        gate (a worker that is posting one of the room's chunks finishes posting first; no
+        chunk of this opening is posted after this returns) and takes the staging lock
+        without its ``lock_timeout``. Posted transfers of the room are not released (NIXL
+        cannot cancel a write): they *drain* (see :meth:`draining`, :meth:`wait_drained`);
+        their slots go back to the pool when they end. Idempotent; a stale handle never
+        purges a newer opening. Thread-safe: post gate, then one write critical section
+        (manager -> staging -> failure lock).
 
         Raises:
             TypeError, ValueError: bad ``room``.
@@ -601,47 +886,63 @@ class KVManager:
             room_id, generation = room.room, room.generation
         else:
             room_id, generation = check_room_id(room), None
-        check_room_id(room_id)
-        with self._room_lock.write():
+        room_id = check_room_id(room_id)
+        with self._room_lock.read():
             entry = self._rooms.get(room_id)
-            if entry is None or (generation is not None and entry.handle.generation != generation):
+        if entry is None or (generation is not None and entry.handle.generation != generation):
+            return ManagerPurge(room_id, False, None, (), None, 0, 0)
+        with entry.gate.write_untimed(), self._room_lock.write_untimed():
+            if self._rooms.get(room_id) is not entry:  # another purge won
                 return ManagerPurge(room_id, False, None, (), None, 0, 0)
             del self._rooms[room_id]
             status = self._request_status.get(room_id)
-            tables = [
-                name
-                for name, table in self._room_tables()
-                if table.pop(room_id, None) is not None
-            ]
+            exception = self._exceptions.get(room_id)
+            tables: list[str] = []
+            for name, table in self._room_tables():  # a plain loop: DPOR traces it precisely
+                if table.pop(room_id, None) is not None:
+                    tables.append(name)
             staged = self.staging.purge_room(entry.handle)
-            slots = (
-                0 if self.staging_pool is None else self.staging_pool.release_owner(entry.handle)
-            )
+            # Staging slots are not returned here: every slot of this opening is held by a
+            # worker (gathering into it, or under a posted chunk), and that worker returns it
+            # when it skips the chunk or when the chunk ends. Returning it now would let
+            # another room lease and overwrite a slot that a transfer still reads from.
             with self.failure_lock.write():
-                if self._failure_records.pop(room_id, None) is not None:
+                record = self._failure_records.pop(room_id, None)
+                if record is not None:
                     tables.append("failure_records")
-            inflight = list(entry.inflight.values())
+            for job_id, inflight in entry.inflight.items():
+                self._draining[job_id] = inflight
+            draining = len(entry.inflight)
             entry.inflight.clear()
             self._counts["purges"] += 1
-        released = 0
-        for item in inflight:
-            if item.transfer is not None:
-                item.transfer.release()
-                released += 1
-        return ManagerPurge(room_id, True, status, tuple(tables), staged, slots, released)
+            if self._send_notif is not None and status is not KVPoll.Success:
+                notice = RoomNotice(
+                    room_id,
+                    entry.handle.generation,
+                    "failed" if status is KVPoll.Failed else "cleared",
+                    code_for(record, exception) if status is KVPoll.Failed else "cleared",
+                )
+                if draining:
+                    self._pending_notices[entry.handle] = (notice, entry.sessions)
+                else:
+                    self._notices.put((notice, entry.sessions))
+        return ManagerPurge(
+            room_id, True, status, tuple(tables), staged, 0, 0, exception, record, draining
+        )
 
     def fail_session(self, session_id: str, reason: str) -> frozenset[int]:
         """A decode peer died: fail every open, unconcluded room with a transfer to it.
 
-        Drops the session's staging keys (``purge_session``). Returns the rooms failed.
-        Thread-safe; one write critical section.
+        Drops the session's staging keys (``purge_session``, which never times out). Returns
+        the rooms failed. Thread-safe; one write critical section; never raises for a state
+        reason.
 
         Raises:
             TypeError, ValueError: bad ``session_id``.
         """
-        check_session_id(session_id)
+        session_id = check_session_id(session_id)
         failed: list[int] = []
-        with self._room_lock.write():
+        with self._room_lock.write_untimed():
             for room_id, entry in self._rooms.items():
                 if session_id not in entry.sessions:
                     continue
@@ -655,23 +956,50 @@ class KVManager:
         return frozenset(failed)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the workers (bounded join), then purge every open room. Idempotent.
+        """Refuse new rooms, purge every open room, drain, stop the workers. Idempotent.
+
+        ``close`` and :meth:`open_room` are mutually atomic: a room is either refused or
+        purged here. Transfers still in flight after ``timeout_s`` are *abandoned*: released
+        (NIXL tries to cancel; their bytes may still land) and counted in
+        ``stats().transfers_abandoned``; their rooms get no room notice (their bytes may
+        still land: counted in ``stats().notices_withheld``). Notices already queued are sent
+        within the same ``timeout_s``; a notifier blocked on an unreachable peer is left
+        behind (a daemon thread) rather than failing ``close``.
 
         Raises:
             RuntimeError: a worker did not stop within ``timeout_s``.
         """
+        deadline = time.monotonic() + timeout_s
+        with self._room_lock.write_untimed():
+            self._closing = True
+            rooms = [e.handle for e in self._rooms.values()]
+        for handle in rooms:
+            self.purge_room(handle)
         if not self._closed.is_set():
             self._closed.set()
             for _ in self._workers:
                 self._queue.put(None)
-        deadline = time.monotonic() + timeout_s
-        for worker in self._workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
-        alive = [w.name for w in self._workers if w.is_alive()]
+        self.wait_drained(None, max(0.0, deadline - time.monotonic()))
         with self._room_lock.read():
-            rooms = [e.handle for e in self._rooms.values()]
-        for handle in rooms:
-            self.purge_room(handle)
+            left = list(self._draining.values())
+        for inflight in left:
+            if self._end(inflight, None, abandoned=True):
+                self._count("transfers_abandoned")
+        with self._room_lock.write_untimed():
+            # Rooms whose writes were abandoned get no notice (the bytes may still land).
+            self._counts["notices_withheld"] += len(self._pending_notices)
+            self._pending_notices.clear()
+        if self._notifier is not None:
+            self._notices.put(None)
+        for worker in self._workers:
+            # At least a moment, even if abandoning used up timeout_s: a worker polling an
+            # abandoned chunk sees it released and exits at once.
+            worker.join(max(0.5, deadline - time.monotonic()))
+        if self._notifier is not None:
+            # Best effort: a notice to a partitioned peer may block inside NIXL; the
+            # notifier is a daemon and is left behind rather than failing close().
+            self._notifier.join(max(0.0, deadline - time.monotonic()))
+        alive = [w.name for w in self._workers if w.is_alive()]
         if alive:
             raise RuntimeError(f"transfer workers did not stop: {alive}")
 
@@ -685,119 +1013,313 @@ class KVManager:
 
     def _worker_main(self) -> None:
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=_HUNG_SWEEP_S)
+            except queue.Empty:
+                self._sweep_hung()
+                continue
             if job is None:
                 return
             try:
-                inflight = self._start_job(job)
+                inflight = self._launch(job)
+                pauses = (
+                    poll_pauses()
+                    if self.poll_interval_s is None
+                    else itertools.repeat(self.poll_interval_s)
+                )
                 while inflight is not None and not self._check(inflight):
-                    time.sleep(self.poll_interval_s)
-            except TRANSPORT_ERRORS as exc:
-                self._on_transport_error(job, exc)
-            except BaseException as exc:  # a worker must never die or leak the room
-                with self._room_lock.write():
-                    self._counts["worker_errors"] += 1
-                self.record_failure(job.handle, exc, f"internal error in transfer worker: {exc!r}")
+                    time.sleep(next(pauses))
+            except BaseException as exc:  # a worker never dies: the room fails instead
+                self._on_internal_error(job, exc)
+
+    def _notifier_main(self) -> None:
+        """Send queued room notices to each session of their room (best effort)."""
+        while True:
+            item = self._notices.get()
+            if item is None:
+                return
+            notice, sessions = item
+            try:
+                payload = notice.encode()
+            except BaseException:
+                self._count("notices_failed")
+                continue
+            for session_id in sessions:
+                try:
+                    self._send_notif(session_id, payload)
+                except BaseException:  # a dead or removed peer: best effort, counted
+                    self._count("notices_failed")
+                else:
+                    self._count("notices_sent")
+
+    def _sweep_hung(self) -> None:
+        """Re-check chunks that timed out while still in progress (idle worker). Never
+        raises."""
+        try:
+            with self._room_lock.read():
+                hung = list(self._hung.values())
+            for inflight in hung:
+                self._check(inflight)
+        except BaseException:  # a worker never dies
+            self._unaccounted_worker_errors += 1
+
+    def _launch(self, job: ChunkJob) -> _Inflight | None:
+        """Start one chunk; any error fails its room (never raised). ``None`` = nothing to
+        poll (skipped, finished at once, or failed)."""
+        try:
+            return self._start_job(job)
+        except BaseException as exc:  # before the chunk was registered: it ends here
+            self._on_internal_error(job, exc, chunk_ends=True)
+            return None
+
+    def _on_internal_error(
+        self, job: ChunkJob, exc: BaseException, *, chunk_ends: bool = False
+    ) -> None:
+        """An unexpected error while handling ``job``: count it and fail the room; with
+        ``chunk_ends`` the chunk also ends here (failed, or skipped if its room is gone).
+        Never raises (if even that fails, the error is still counted)."""
+        try:
+            with self._room_lock.write_untimed():
+                self._counts["worker_errors"] += 1
+                failed = self._fail_unlocked(
+                    job.handle, exc, f"internal error in transfer worker: {exc!r}"
+                )
+                if chunk_ends:
+                    self._counts["chunks_failed" if failed else "chunks_skipped"] += 1
+        except BaseException:
+            self._unaccounted_worker_errors += 1
 
     def _start_job(self, job: ChunkJob) -> _Inflight | None:
-        """Stage (optionally) and post one chunk; register it with its room.
+        """Stage (optionally), then check-and-post one chunk under its room's post gate.
 
-        Returns ``None`` when the room is gone (the chunk is skipped) or the chunk is empty.
-        Raises TRANSPORT_ERRORS members from the transport.
+        Returns the registered chunk to poll, or ``None`` when it is skipped (room purged or
+        failed), finished at once (nothing to send) or failed to post (its room is failed).
         """
         handle = job.handle
-        with self._room_lock.read():
-            alive = (
-                self._live(handle) is not None
-                and self._request_status.get(handle.room) is not KVPoll.Failed
-            )
-        if not alive:
+        # Lock-free early look (a dict read is atomic under the GIL): only to skip a chunk
+        # of a purged or failed room cheaply and to find the room's gate. The decision that
+        # counts is taken again under the gate and the write lock, right before the post.
+        entry = self._rooms.get(handle.room)
+        if (
+            entry is None
+            or entry.handle.generation != handle.generation
+            or self._request_status.get(handle.room) is KVPoll.Failed
+        ):
             self._count("chunks_skipped")
             return None
         inflight = _Inflight(job)
-        try:
-            src_region = self.kv_region
-            src: PageArray = job.src_pages
-            if self.staging_pool is not None:
-                if not self._request_prefetch(job):
-                    self._count("chunks_skipped")
-                    return None
-                try:
-                    inflight.slot = self.staging_pool.acquire(handle, self.slot_timeout_s)
-                except (PoolExhaustedError, PoolClosedError) as exc:
-                    self.record_failure(handle, exc, f"no staging slot: {exc}")
-                    self._count("chunks_failed")
-                    return None
-                n = self.staging_pool.gather(inflight.slot, self.kv_pool, src, job.byte_range)
-                src = np.arange(inflight.slot.first_page, inflight.slot.first_page + n)
-                src_region = self.staging_region
-            if job.src_pages.size == 0:
-                self._finish(inflight)
+        src_region = self.kv_region
+        src: PageArray = job.src_pages
+        if job.src_pages.size == 0:  # every page is in the decode prefix: nothing to send
+            self._complete_unposted(job)
+            return None
+        if self.staging_pool is not None:
+            if not self._request_prefetch(job):
+                self._count("chunks_skipped")
                 return None
-            notif = f"room={handle.room};chunk={job.chunk_idx};last={int(job.is_last)}".encode()
-            inflight.transfer = self.transport.write_pages(
-                job.session_id,
-                src,
-                job.dst_pages,
-                notif,
-                src_region=src_region,
-                dst_region=job.dst_region,
-                timeout_s=self.transfer_timeout_s,
-            )
-        except BaseException:
-            self._discard(inflight)
-            raise
-        with self._room_lock.write():
-            entry = self._live(handle, count=True)
-            if entry is not None:
-                entry.inflight[job.job_id] = inflight
-        if entry is None:  # purged while we were posting: drop it
-            self._discard(inflight)
-            self._count("chunks_skipped")
+            try:
+                inflight.slot = self.staging_pool.acquire(handle, self.slot_timeout_s)
+            except (PoolExhaustedError, PoolClosedError) as exc:
+                with self._room_lock.write():
+                    if self._fail_unlocked(handle, exc, f"no staging slot: {exc}"):
+                        self._counts["chunks_failed"] += 1
+                    else:
+                        self._counts["chunks_skipped"] += 1
+                return None
+            with self._room_lock.read():  # the slot wait may have been long: still wanted?
+                wanted = (
+                    self._live(handle) is entry
+                    and self._request_status.get(handle.room) is not KVPoll.Failed
+                )
+            if not wanted:
+                self.staging_pool.release(inflight.slot)
+                self._count("chunks_skipped")
+                return None
+            try:
+                n = self.staging_pool.gather(inflight.slot, self.kv_pool, src, job.byte_range)
+            except BaseException:
+                self.staging_pool.release(inflight.slot)
+                raise
+            src = np.arange(inflight.slot.first_page, inflight.slot.first_page + n)
+            src_region = self.staging_region
+        notif = f"room={handle.room};chunk={job.chunk_idx};last={int(job.is_last)}".encode()
+        post_error: BaseException | None = None
+        # The post fence: the room's purge takes this gate too, so "live and not failed" is
+        # still true when the write is posted, and a purge that returned saw this chunk
+        # registered (it drains) or made us skip it.
+        with entry.gate.write_untimed():
+            with self._room_lock.write():
+                registered = (
+                    self._live(handle, count=True) is entry
+                    and self._request_status.get(handle.room) is not KVPoll.Failed
+                )
+                if registered:
+                    entry.inflight[job.job_id] = inflight
+                else:
+                    self._counts["chunks_skipped"] += 1
+            if registered:
+                try:
+                    inflight.transfer = self.transport.write_pages(
+                        job.session_id,
+                        src,
+                        job.dst_pages,
+                        notif,
+                        src_region=src_region,
+                        dst_region=job.dst_region,
+                        timeout_s=self.transfer_timeout_s,
+                    )
+                except BaseException as exc:
+                    post_error = exc
+        if not registered:
+            if inflight.slot is not None and self.staging_pool is not None:
+                self.staging_pool.release(inflight.slot)
+            return None
+        if post_error is not None:
+            self._end(inflight, post_error)
             return None
         return inflight
 
     def _check(self, inflight: _Inflight) -> bool:
-        """Poll once; ``True`` when the chunk is finished (done, or its room purged)."""
-        assert inflight.transfer is not None
-        try:
-            state = inflight.transfer.poll()
-        except TransferReleasedError:  # the room was purged under us
-            self._discard(inflight)
-            self._count("chunks_skipped")
+        """Poll once; ``True`` when this caller is done with the chunk: it ended (here or in
+        another thread), or it is *hung* (past its deadline, still in progress in NIXL: its
+        room is failed and it ends once it settles, see ``_sweep_hung``). Never raises: a
+        transfer error ends the chunk as failed (and fails its room)."""
+        transfer = inflight.transfer
+        if inflight.ended:
             return True
-        except BaseException:
-            self._unregister(inflight)
-            self._discard(inflight)
-            raise
+        if transfer is None:  # registered, still being posted by its worker
+            return False
+        if inflight.hung is not None:  # its room already failed; ends once it settles
+            settled = getattr(transfer, "settled", None)
+            if settled is None or settled():
+                self._end(inflight, inflight.hung, already_failed=True)
+            return True
+        try:
+            state = transfer.poll()
+        except TransferTimeoutError as exc:
+            settled = getattr(transfer, "settled", None)
+            if settled is not None and not settled():
+                self._hang(inflight, exc)  # NIXL still has it: it may yet write
+            else:
+                self._end(inflight, exc)
+            return True
+        except BaseException as exc:
+            self._end(inflight, exc)
+            return True
         if state != "DONE":
             return False
-        self._finish(inflight)
+        self._end(inflight, None)
         return True
 
-    def _finish(self, inflight: _Inflight) -> None:
+    def _hang(self, inflight: _Inflight, exc: BaseException) -> None:
+        """The chunk passed its deadline while NIXL still has it in progress: fail its room
+        now (and its session), but keep the chunk (transfer and slot) until it settles: the
+        write may still happen, so its pages and slot are not free. Never raises."""
         job = inflight.job
-        self._unregister(inflight)
-        self._discard(inflight)
+        with self._room_lock.write_untimed():
+            if inflight.hung is not None or inflight.ended:
+                return
+            inflight.hung = exc
+            self._hung[job.job_id] = inflight
+            reason = f"transfer of chunk {job.chunk_idx} to {job.session_id!r} failed: {exc!r}"
+            self._fail_unlocked(job.handle, exc, reason)
+        if self.fail_session_on_disconnect:
+            self.fail_session(job.session_id, f"{type(exc).__name__}: {exc}")
+
+    def _end(
+        self,
+        inflight: _Inflight,
+        exc: BaseException | None,
+        *,
+        abandoned: bool = False,
+        already_failed: bool = False,
+    ) -> bool:
+        """End a chunk exactly once: release its transfer and slot, unregister it, count it,
+        and (when its room is open) count it done or fail the room with ``exc``. ``False``
+        if another thread had already ended it. Never raises for a state reason."""
+        if not inflight.claim():
+            return False
+        job = inflight.job
+        try:
+            if inflight.transfer is not None:
+                inflight.transfer.release()
+        finally:
+            if inflight.slot is not None and self.staging_pool is not None:
+                self.staging_pool.release(inflight.slot)
+            fatal = self._account_end(
+                inflight, exc, abandoned=abandoned, already_failed=already_failed
+            )
+        if fatal and exc is not None:
+            self.fail_session(job.session_id, f"{type(exc).__name__}: {exc}")
+        return True
+
+    def _account_end(
+        self,
+        inflight: _Inflight,
+        exc: BaseException | None,
+        *,
+        abandoned: bool,
+        already_failed: bool = False,
+    ) -> bool:
+        """The locked half of :meth:`_end`. Returns whether the error is session-fatal (and
+        not yet reported: a hung chunk's room and session were failed by ``_hang``)."""
+        job = inflight.job
+        released = isinstance(exc, TransferReleasedError)
+        with self._room_lock.write_untimed():
+            self._hung.pop(job.job_id, None)
+            drained = self._draining.pop(job.job_id, None) is not None
+            if abandoned and self._pending_notices.pop(job.handle, None) is not None:
+                # Its writes were given up, not drained: they may still land, so the decode
+                # side must not be told it may reuse the room's pages.
+                self._counts["notices_withheld"] += 1
+            elif drained and job.handle in self._pending_notices and not any(
+                i.job.handle == job.handle for i in self._draining.values()
+            ):
+                self._notices.put(self._pending_notices.pop(job.handle))
+            entry = self._live(job.handle)
+            if not drained and entry is not None:
+                entry.inflight.pop(job.job_id, None)
+            if drained or entry is None or abandoned:
+                self._counts["chunks_drained"] += 1
+                if released:
+                    self._counts["chunks_released_by_transport"] += 1
+                return False
+            if exc is None:
+                entry.jobs_done += 1
+                self._counts["chunks_done"] += 1
+                self._maybe_succeed(entry)
+                return False
+            self._counts["chunks_failed"] += 1
+            if already_failed:
+                return False
+            if released:
+                self._counts["chunks_released_by_transport"] += 1
+                reason = (
+                    f"transfer of chunk {job.chunk_idx} to {job.session_id!r} was released by "
+                    "the transport (peer removed or transport closed)"
+                )
+                stored: BaseException = KVTransferError(job.handle.room, reason)
+                stored.__cause__ = exc
+            else:
+                reason = f"transfer of chunk {job.chunk_idx} to {job.session_id!r} failed: {exc!r}"
+                stored = exc
+                if isinstance(exc, TransferFailedError):
+                    # NIXL reported an error *state*: the room fails with an error naming it.
+                    stored = KVTransferError(job.handle.room, f"transfer in error state ({exc})")
+                    stored.__cause__ = exc
+            self._fail_unlocked(job.handle, stored, reason)
+        return self.fail_session_on_disconnect and isinstance(exc, SESSION_FATAL_ERRORS)
+
+    def _complete_unposted(self, job: ChunkJob) -> None:
+        """A chunk with no page to send is done at once (if its room is still open)."""
         with self._room_lock.write():
             entry = self._live(job.handle, count=True)
             if entry is None:
+                self._counts["chunks_skipped"] += 1
                 return
             entry.jobs_done += 1
             self._counts["chunks_done"] += 1
             self._maybe_succeed(entry)
-
-    def _on_transport_error(self, job: ChunkJob, exc: BaseException) -> None:
-        self._count("chunks_failed")
-        reason = f"transfer of chunk {job.chunk_idx} to {job.session_id!r} failed: {exc!r}"
-        stored = exc
-        if isinstance(exc, TransferFailedError):
-            # NIXL reported an error *state*: the room fails with a RuntimeError naming it.
-            stored = KVTransferError(job.handle.room, f"transfer in error state ({exc})")
-            stored.__cause__ = exc
-        self.record_failure(job.handle, stored, reason)
-        if self.fail_session_on_disconnect and isinstance(exc, SESSION_FATAL_ERRORS):
-            self.fail_session(job.session_id, f"{type(exc).__name__}: {exc}")
 
     def _request_prefetch(self, job: ChunkJob) -> bool:
         """Record the staging prefetch key; mark the room prefetched once all are in."""
@@ -813,19 +1335,6 @@ class KVManager:
             self.staging.mark_prefetched(job.handle)
         return True
 
-    def _unregister(self, inflight: _Inflight) -> None:
-        with self._room_lock.write():
-            entry = self._live(inflight.job.handle)
-            if entry is not None:
-                entry.inflight.pop(inflight.job.job_id, None)
-
-    def _discard(self, inflight: _Inflight) -> None:
-        """Release the transfer and slot of a chunk (idempotent; no lock held)."""
-        if inflight.transfer is not None:
-            inflight.transfer.release()
-        if inflight.slot is not None and self.staging_pool is not None:
-            self.staging_pool.release(inflight.slot)
-
     # ------------------------------------------------------------------ helpers (locked)
 
     def _live(self, handle: RoomHandle, *, count: bool = False) -> _RoomEntry | None:
@@ -837,6 +1346,25 @@ class KVManager:
                 self._counts["refused_late_writes"] += 1
             return None
         return entry
+
+    def _lingering(self, handle: RoomHandle | None) -> int:
+        """See :meth:`draining`. Caller holds ``_room_lock``."""
+        chunks = [
+            i for i in self._draining.values() if handle is None or i.job.handle == handle
+        ]
+        if self.staging_pool is None:
+            return len(chunks)
+        if handle is not None:
+            owners = [] if self._live(handle) is not None else [handle]
+        else:
+            owners = [
+                o
+                for o in self.staging_pool.owners()
+                if isinstance(o, RoomHandle) and self._live(o) is None
+            ]
+        held = sum(self.staging_pool.owner_slots(o) for o in owners)
+        under_chunks = sum(1 for i in chunks if i.slot is not None)
+        return len(chunks) + max(0, held - under_chunks)
 
     def _room_tables(self) -> tuple[tuple[str, dict[int, Any]], ...]:
         """The per-room tables guarded by ``_room_lock``, by name (``failure_records`` has
@@ -872,3 +1400,22 @@ class KVManager:
     def _count(self, name: str) -> None:
         with self._room_lock.write():
             self._counts[name] += 1
+
+
+def _check_seconds(value: object, what: str, *, allow_zero: bool) -> None:
+    """A finite number of seconds, > 0 (or >= 0 with ``allow_zero``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    ok = seconds >= 0 if allow_zero else seconds > 0
+    if not ok or not math.isfinite(seconds):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{what} must be a finite number {bound}, got {value!r}")
+
+
+def _check_handle(handle: object) -> None:
+    if type(handle) is not RoomHandle:
+        raise TypeError(f"expected a RoomHandle, got {type(handle).__name__}")

@@ -50,7 +50,9 @@ class NixlKVSender:
 
     Raises:
         RoomAlreadyOpenError: a sender for this room is alive (not cleared).
-        TypeError, ValueError: bad room or sessions.
+        TypeError, ValueError: bad room or sessions (a ``str`` instead of a sequence of
+            session ids is refused), or a bad transfer info (the room is then purged).
+        RuntimeError: the manager is closed.
 
     Thread-safety: ``init``, ``send``, ``poll``, ``failure_exception`` and ``abort`` are
     called by the scheduler thread (one thread per sender). ``clear`` is safe from any
@@ -64,6 +66,10 @@ class NixlKVSender:
         session_ids: Sequence[str],
         transfer_infos: Sequence[TransferInfo] = (),
     ) -> None:
+        if isinstance(session_ids, (str, bytes)):
+            raise TypeError(
+                f"session_ids must be a sequence of session id strings, got {session_ids!r}"
+            )
         self.kv_mgr = mgr
         self.bootstrap_room = bootstrap_room
         self.session_ids = tuple(session_ids)
@@ -115,8 +121,8 @@ class NixlKVSender:
         Raises:
             RuntimeError: ``send`` before ``init``.
             TypeError, ValueError: indices not 1-D ints >= 0, out of the KV pool, past
-                ``num_kv_indices``, or the room not ready (no decode info yet). No state
-                changes in any of these cases.
+                ``num_kv_indices``, an empty chunk that is not the last one, or the room not
+                ready (no decode info yet). No state changes in any of these cases.
         """
         arr = _as_indices(kv_indices, "kv_indices")
         if self.num_kv_indices is None:
@@ -130,6 +136,10 @@ class NixlKVSender:
                 f"num_kv_indices is {self.num_kv_indices}"
             )
         is_last = start + int(arr.size) == self.num_kv_indices
+        if arr.size == 0 and not is_last:
+            raise ValueError(
+                f"room {self.bootstrap_room}: an empty chunk is allowed only as the last one"
+            )
         try:
             self.kv_mgr.submit_chunk(self._handle, self._chunk_idx, start, arr, is_last)
         except (TypeError, ValueError):
@@ -151,11 +161,11 @@ class NixlKVSender:
             return KVPoll.Failed
         try:
             self.kv_mgr.progress(self._handle)
-            status = self.kv_mgr.status(self.bootstrap_room)
+            status = self.kv_mgr.handle_status(self._handle)
         except Exception as exc:
             self._note_failure(exc, f"poll failed: {exc!r}")
             return KVPoll.Failed
-        if status is None or not self.kv_mgr.is_open(self._handle):
+        if status is None:
             # Cleared (or reopened by someone else) without a conclusion seen here.
             self.conclude_state = KVPoll.Failed
             return KVPoll.Failed
@@ -166,9 +176,12 @@ class NixlKVSender:
     def failure_exception(self) -> NoReturn:
         """Raise why this room failed, after purging every trace of it.
 
-        Pops the room's stored exception and failure record, marks the sender ``Failed``,
-        calls :meth:`clear`, then raises (first that applies): ``_send_error`` (the same
-        object); the stored exception (the same object); ``KVTransferError(room, reason)``;
+        Purges the room (``clear``) and takes the stored exception and failure record from
+        that purge's result, which holds this opening's and nothing else (never another
+        opening's of the same id), marks the sender ``Failed``, then raises (first that
+        applies): ``_send_error`` (the same object); the stored exception (the same object);
+        ``KVTransferError(room, reason)``; a ``KVTransferError`` saying the room had
+        succeeded (failure_exception() was called on a Success room) or was already cleared;
         ``KVTransferError(room, ..., is_from_another_rank=True)``. A second call raises a
         ``KVTransferError`` saying the failure was already reported, and changes nothing.
         Scheduler thread.
@@ -180,34 +193,39 @@ class NixlKVSender:
         if self._failure_reported:
             raise KVTransferError(room, "failure already reported by failure_exception()")
         self._failure_reported = True
-        stored = self.kv_mgr.pop_exception(room) if self._owns_room() else None
-        reason = self.kv_mgr.pop_failure_record(room) if self._owns_room() else None
+        purge = self.kv_mgr.purge_room(self._handle)
         if self.conclude_state is None:
             self.conclude_state = KVPoll.Failed
         self._send_failed = True
-        self.clear()
         if self._send_error is not None:
             raise self._send_error
-        if stored is not None:
-            raise stored
-        if reason is not None:
-            raise KVTransferError(room, reason)
+        if purge.exception is not None:
+            raise purge.exception
+        if purge.failure_record is not None:
+            raise KVTransferError(room, purge.failure_record)
+        if purge.was_open and purge.status is KVPoll.Success:
+            raise KVTransferError(
+                room, "failure_exception() called on a room that succeeded (it is now cleared)"
+            )
+        if not purge.was_open:
+            raise KVTransferError(
+                room, "the room was cleared before its failure was reported (no error kept)"
+            )
         raise KVTransferError(
             room, "failed on another rank (no local error recorded)", is_from_another_rank=True
         )
 
     def clear(self) -> None:
-        """Purge every per-room table, the staging state and slots, and release in-flight
-        transfers. Idempotent; safe from any thread; never raises."""
+        """Purge every per-room table and the staging state; no chunk of this opening is
+        posted after this returns, and chunks already posted drain (their slots and the
+        room's decode pages are free once ``kv_mgr.draining(handle) == 0``). Idempotent;
+        safe from any thread; never raises."""
         self.kv_mgr.purge_room(self._handle)
 
     def abort(self) -> None:
-        """The caller gives the request up: the room becomes ``Failed`` (its in-flight
-        transfers are released by ``clear``/``failure_exception``). Scheduler thread."""
+        """The caller gives the request up: the room becomes ``Failed`` (no further chunk is
+        posted; posted ones drain after ``clear``/``failure_exception``). Scheduler thread."""
         self._note_failure(None, "aborted by the caller")
-
-    def _owns_room(self) -> bool:
-        return self.kv_mgr.is_open(self._handle)
 
     def _note_failure(self, exc: BaseException | None, reason: str) -> None:
         self._send_failed = True

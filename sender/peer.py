@@ -2,28 +2,41 @@
 
 * :class:`DecodePeer` — a uint8 ``[num_pages, page_bytes]`` pool registered as region
   ``"kv"`` on its own :class:`~sender.transport.NixlTransport`, plus a notification pump
-  thread that collects incoming notifications into a thread-safe store.
+  thread that collects incoming per-transfer notifications into a thread-safe store and
+  learns room notices (:mod:`sender.notices`: which openings the prefill side failed or
+  cleared; the decode-side contract is in docs/PROTOCOL.md).
 * ``python -m sender.peer --listen 127.0.0.1:PORT --pages N --page-bytes B`` runs a
   DecodePeer behind a tiny loopback TCP control channel (PORT 0 picks a free port). The first
   line on stdout is ``LISTENING 127.0.0.1:<port>``; afterwards stdout is redirected to stderr.
+  Another local address (e.g. the peer's own address inside a network namespace of a test
+  topology, ``stress.netns``) needs the explicit opt-in ``--allow-host ADDR``.
 * :class:`PeerProcess` — the client used by tests, the stress suite and benchmarks: starts
   such a process, fetches its metadata, queries it, and can SIGKILL/SIGSTOP/SIGCONT/restart it.
-  ``close()`` always reaps the process.
+  It can start the child inside a network namespace (``netns``) with extra environment
+  (e.g. ``UCX_TLS=tcp``) and reach it on that namespace's address. ``close()`` always reaps
+  the process.
 
-Control channel (our own protocol, loopback only). Every message in both directions is one
-frame: a big-endian u32 ``frame_len``, then a big-endian u32 ``header_len``, a UTF-8 JSON
-header and ``frame_len - 4 - header_len`` bytes of raw body. Requests are
+Control channel (our own protocol; loopback unless ``--allow-host``). Every message in both
+directions is one frame: a big-endian u32 ``frame_len``, then a big-endian u32
+``header_len``, a UTF-8 JSON header and ``frame_len - 4 - header_len`` bytes of raw body.
+Requests are
 ``{"cmd": <name>, ...}``; replies are ``{"ok": true, ...}`` or ``{"ok": false, "error": str}``.
-Commands: ``ping``, ``metadata`` (body = metadata), ``notifs`` (hex-encoded messages),
-``clear_notifs``, ``digest`` (``pages``), ``read`` (``pages``; body = page bytes), ``zero``
-(``pages`` or null for all), ``shutdown``.
+Commands: ``ping``, ``metadata`` (body = metadata), ``notifs`` (hex-encoded per-transfer
+messages), ``clear_notifs``, ``digest`` (``pages``), ``read`` (``pages``; body = page bytes),
+``zero`` (``pages`` or null for all), ``room_notices`` (``since``, ``limit``: a page of the
+room-notice history), ``assign_pages`` (``room``, ``gen``, ``pages``), ``release_pages``
+(``room``, ``gen``), ``free_pages``, ``shutdown``. Frames are bounded per command and read
+incrementally; every bad frame is answered with an error reply (limits and rules:
+docs/PROTOCOL.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -36,23 +49,32 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from sender import _nixl
 from sender.errors import TransportClosedError, TransportParamError
+from sender.notices import NoticeError, decode_notice, is_notice
 from sender.transport import DEFAULT_PROGRESS_DELAY_US, NixlTransport, PageIndices
 
 if TYPE_CHECKING:  # imported lazily: a CPU peer process starts ~2 s faster without torch
     import torch
 
 __all__ = [
+    "DEFAULT_MAX_FAILED_ROOMS",
     "DecodePeer",
+    "FrameError",
+    "LearntRoom",
+    "NoticePage",
+    "NoticeRecord",
+    "NoticeStats",
     "PeerError",
     "PeerProcess",
     "PeerServer",
@@ -65,12 +87,110 @@ DEFAULT_NOTIF_INTERVAL_S = 0.001
 DEFAULT_NOTIF_IDLE_INTERVAL_S = 0.01
 _IDLE_AFTER_S = 0.1
 _FRAME = struct.Struct(">I")
-_MAX_FRAME = 1 << 31
 _HOST = "127.0.0.1"
+# Control-channel limits (docs/PROTOCOL.md). Requests carry no body; their header is a small
+# JSON object, plus a list of page indices for the page commands (see _request_limits).
+_SMALL_HEADER = 256
+_SMALL_COMMANDS = (
+    "ping",
+    "metadata",
+    "notifs",
+    "clear_notifs",
+    "shutdown",
+    "room_notices",
+    "release_pages",
+    "free_pages",
+)
+_PAGE_COMMANDS = ("digest", "read", "zero", "assign_pages")
+# Replies, read by PeerProcess from its own child: a header of notifications or digests, a
+# body of the metadata or of exactly the pages asked for.
+_MAX_REPLY_HEADER = 64 << 20
+_MAX_METADATA = 1 << 20
+
+DEFAULT_MAX_FAILED_ROOMS = 65536
+"""Room notices a :class:`DecodePeer` keeps (oldest dropped first, counted)."""
+MAX_NOTICES_PER_REPLY = 1024
+"""Most notice records one ``room_notices`` reply carries (a reply stays under ~300 KB)."""
+_MAX_SENDER_NAME = 128
+"""A notice's sender agent name is kept clipped to this many characters."""
 
 
 class PeerError(RuntimeError):
     """A peer process failed to start, answered with an error, or did not answer in time."""
+
+
+class LearntRoom(NamedTuple):
+    """What a decode peer learnt about one opening ``(room, gen)`` from a room notice:
+    ``outcome`` (``"failed"`` or ``"cleared"``), ``code`` (why, :data:`sender.notices.CODES`)
+    and ``learnt_at``, the ``time.monotonic()`` of the peer's notification pump when it
+    collected the notice (system-wide on Linux: comparable with another process's
+    ``time.monotonic()`` on the same host, not across hosts)."""
+
+    outcome: str
+    code: str
+    learnt_at: float
+
+
+class NoticeRecord(NamedTuple):
+    """One entry of a peer's notice history: ``seq`` numbers entries 1, 2, ... in the order
+    they were learnt (no gaps; the oldest are dropped past the cap); ``sender`` is the NIXL
+    agent name of the prefill side that sent it (clipped to 128 characters)."""
+
+    seq: int
+    room: int
+    gen: int
+    outcome: str
+    code: str
+    learnt_at: float
+    sender: str
+
+    @property
+    def learnt(self) -> LearntRoom:
+        """The ``(outcome, code, learnt_at)`` part."""
+        return LearntRoom(self.outcome, self.code, self.learnt_at)
+
+
+@dataclass(frozen=True, slots=True)
+class NoticeStats:
+    """Room-notice counters of a decode peer.
+
+    Attributes:
+        learnt: notices learnt (one per opening; duplicates not counted here).
+        duplicates: notices for an opening already known (e.g. two sessions of one room on
+            this peer); the first one is kept.
+        refused: messages claiming to be room notices (``NXSTG-ROOM/``) that were malformed
+            or of another version: counted and dropped.
+        dropped: learnt notices dropped from the history past its cap (oldest first).
+        held: notices held now (at most the cap).
+        assigned_rooms: openings with pages assigned (:meth:`DecodePeer.assign_pages`).
+        assignments_dropped: assignments dropped past the cap (oldest first).
+        pages_freed: pages freed by notices so far (counted once per freeing).
+        free_pages: pages marked free now.
+    """
+
+    learnt: int = 0
+    duplicates: int = 0
+    refused: int = 0
+    dropped: int = 0
+    held: int = 0
+    assigned_rooms: int = 0
+    assignments_dropped: int = 0
+    pages_freed: int = 0
+    free_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NoticePage:
+    """One page of a peer's notice history (:meth:`PeerProcess.room_notices`): the records
+    with ``seq > since`` (at most the asked limit), ``next`` (the ``since`` of the next page),
+    ``more`` (more records are held past this page), ``first`` (the oldest ``seq`` still
+    held; records between ``since`` and it were dropped) and the peer's counters."""
+
+    records: tuple[NoticeRecord, ...]
+    next: int
+    more: bool
+    first: int
+    stats: NoticeStats
 
 
 # --------------------------------------------------------------------------- DecodePeer
@@ -78,6 +198,22 @@ class PeerError(RuntimeError):
 
 class DecodePeer:
     """A decode-side KV pool on its own NIXL transport, with a notification pump.
+
+    The pump separates two kinds of notification (docs/PROTOCOL.md):
+
+    * per-transfer notifications (``write_pages(..., notif=...)``): collected as they are
+      (:meth:`notifs`, :meth:`wait_notif`). They mean "these bytes landed", never "the room
+      succeeded".
+    * room notices (:mod:`sender.notices`, ``NXSTG-ROOM/1 ...``): the prefill side failed or
+      cleared that opening ``(room, gen)`` before ``Success`` and every posted write of it has
+      ended. Learnt into :meth:`failed_rooms` / :meth:`room_notices` (a history capped at
+      ``max_failed_rooms``, oldest dropped and counted); pages the decode side assigned to
+      that opening (:meth:`assign_pages`) are marked free at once (:meth:`free_pages`).
+      Malformed notices and other versions are counted (``notice_stats().refused``) and
+      dropped; they never reach :meth:`notifs` and never stop the pump.
+
+    When the two disagree the room notice wins: an opening known as failed stays failed,
+    whatever per-transfer notifications of it arrive before or after.
 
     Args:
         name: NIXL agent name (unique among connected agents).
@@ -87,6 +223,7 @@ class DecodePeer:
         notif_interval_s: Pump period while notifications arrive or someone waits.
         notif_idle_interval_s: Pump period after 0.1 s without notifications or waiters.
         progress_delay_us: Passed to :class:`NixlTransport`.
+        max_failed_rooms: Room notices kept (and page assignments kept), oldest dropped.
 
     All methods are thread-safe.
 
@@ -105,7 +242,12 @@ class DecodePeer:
         notif_interval_s: float = DEFAULT_NOTIF_INTERVAL_S,
         notif_idle_interval_s: float = DEFAULT_NOTIF_IDLE_INTERVAL_S,
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
+        max_failed_rooms: int = DEFAULT_MAX_FAILED_ROOMS,
     ) -> None:
+        if type(max_failed_rooms) is not int or max_failed_rooms <= 0:
+            raise TransportParamError(
+                f"max_failed_rooms must be a positive int, got {max_failed_rooms!r}"
+            )
         if type(num_pages) is not int or num_pages <= 0:
             raise TransportParamError(f"num_pages must be a positive int, got {num_pages!r}")
         if type(page_bytes) is not int or page_bytes <= 0:
@@ -136,12 +278,26 @@ class DecodePeer:
         except BaseException:
             self._transport.close()
             raise
-        # _cond guards _notifs, _seen and _closed.
+        # _cond guards _notifs, _seen, _closed and the room-notice state below.
         self._cond = threading.Condition(threading.Lock())
         self._notifs: dict[str, list[bytes]] = {}  # guarded by _cond
         self._seen: set[bytes] = set()  # guarded by _cond
         self._closed = False  # guarded by _cond
-        self._waiters = 0  # guarded by _cond; threads inside wait_notif()
+        self._waiters = 0  # guarded by _cond; threads inside wait_notif()/wait_room_failed()
+        # Room notices (guarded by _cond): the history in learning order (seq 1, 2, ... with
+        # no gaps; the oldest dropped past the cap) and the same records by opening.
+        self._max_failed = max_failed_rooms
+        self._history: deque[NoticeRecord] = deque()
+        self._failed: dict[tuple[int, int], NoticeRecord] = {}
+        self._seq = 0
+        # Pages the decode side handed to an opening, until a notice frees them (or the
+        # decode side releases them); pages marked free. Guarded by _cond.
+        self._assigned: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._free: set[int] = set()
+        self._counts = dict.fromkeys(
+            ("learnt", "duplicates", "refused", "dropped", "assignments_dropped", "pages_freed"),
+            0,
+        )  # guarded by _cond
         self._stop = threading.Event()
         self._pump = threading.Thread(
             target=self._pump_loop, name=f"decode-peer-pump[{name}]", daemon=True
@@ -211,8 +367,14 @@ class DecodePeer:
             with self._cond:
                 if got:
                     for agent, msgs in got.items():
-                        self._notifs.setdefault(agent, []).extend(msgs)
-                        self._seen.update(msgs)
+                        plain = [m for m in msgs if not is_notice(m)]
+                        if len(plain) < len(msgs):
+                            for m in msgs:
+                                if is_notice(m):
+                                    self._learn_locked(agent, m, now)
+                        if plain:
+                            self._notifs.setdefault(agent, []).extend(plain)
+                            self._seen.update(plain)
                     self._cond.notify_all()
                 busy = bool(got) or self._waiters > 0
             if busy:
@@ -221,8 +383,193 @@ class DecodePeer:
             elif now - last_activity > _IDLE_AFTER_S:
                 interval = min(interval * 2, self._idle_interval)
 
+    def _learn_locked(self, agent: str, message: bytes, now: float) -> None:
+        """Learn one room notice (caller holds ``_cond``). Never raises: a malformed
+        notice, one of another version, or anything unexpected is counted and dropped."""
+        try:
+            notice = decode_notice(message)
+        except NoticeError:
+            self._counts["refused"] += 1
+            return
+        except Exception:  # never let a bad message stop the pump
+            self._counts["refused"] += 1
+            logger.warning("room notice from %s refused: %r", agent, message[:64])
+            return
+        key = (notice.room, notice.gen)
+        if key in self._failed:
+            self._counts["duplicates"] += 1
+            return
+        self._seq += 1
+        record = NoticeRecord(
+            self._seq,
+            notice.room,
+            notice.gen,
+            notice.outcome,
+            notice.code,
+            now,
+            str(agent)[:_MAX_SENDER_NAME],
+        )
+        self._history.append(record)
+        self._failed[key] = record
+        self._counts["learnt"] += 1
+        while len(self._history) > self._max_failed:
+            old = self._history.popleft()
+            del self._failed[(old.room, old.gen)]
+            self._counts["dropped"] += 1
+        pages = self._assigned.pop(key, None)
+        if pages:
+            self._free.update(pages)
+            self._counts["pages_freed"] += len(pages)
+
+    def failed_rooms(self) -> dict[tuple[int, int], LearntRoom]:
+        """Openings known as failed or cleared from room notices:
+        ``(room, gen) -> (outcome, code, learnt_at)``, oldest first (at most
+        ``max_failed_rooms``; older ones were dropped, see :meth:`notice_stats`).
+
+        Thread-safety: safe from any thread; returns a copy.
+
+        Raises:
+            Nothing.
+        """
+        with self._cond:
+            return {key: rec.learnt for key, rec in self._failed.items()}
+
+    def room_failed(self, room: int, gen: int) -> LearntRoom | None:
+        """What a room notice said about opening ``(room, gen)``, or ``None`` (no notice
+        learnt, or dropped from the history).
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            Nothing.
+        """
+        with self._cond:
+            rec = self._failed.get((room, gen))
+            return None if rec is None else rec.learnt
+
+    def room_notices(
+        self, since: int = 0, limit: int = MAX_NOTICES_PER_REPLY
+    ) -> tuple[tuple[NoticeRecord, ...], bool, int]:
+        """Notice records with ``seq > since``, oldest first, at most ``limit``; also
+        whether more are held past them and the oldest ``seq`` still held (``0`` when none).
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            TransportParamError: ``since`` not an int >= 0 or ``limit`` not an int >= 1.
+        """
+        if type(since) is not int or since < 0:
+            raise TransportParamError(f"since must be an int >= 0, got {since!r}")
+        if type(limit) is not int or limit < 1:
+            raise TransportParamError(f"limit must be an int >= 1, got {limit!r}")
+        with self._cond:
+            if not self._history:
+                return (), False, 0
+            first = self._history[0].seq
+            start = max(0, since + 1 - first)
+            out = tuple(itertools.islice(self._history, start, start + limit))
+            more = start + limit < len(self._history)
+            return out, more, first
+
+    def wait_room_failed(self, room: int, gen: int, timeout_s: float) -> LearntRoom | None:
+        """Wait until a room notice for ``(room, gen)`` was learnt; ``None`` on timeout or
+        close.
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            Nothing.
+        """
+        key = (room, gen)
+        with self._cond:
+            self._waiters += 1
+            try:
+                self._cond.wait_for(lambda: key in self._failed or self._closed, timeout_s)
+                rec = self._failed.get(key)
+                return None if rec is None else rec.learnt
+            finally:
+                self._waiters -= 1
+
+    def notice_stats(self) -> NoticeStats:
+        """Room-notice counters (one consistent snapshot).
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            Nothing.
+        """
+        with self._cond:
+            return NoticeStats(
+                held=len(self._history),
+                assigned_rooms=len(self._assigned),
+                free_pages=len(self._free),
+                **self._counts,
+            )
+
+    # ------------------------------------------------------------------ page ledger
+
+    def assign_pages(self, room: int, gen: int, pages: PageIndices) -> bool:
+        """The decode side hands ``pages`` to opening ``(room, gen)`` of a prefill sender
+        (its destination pages). They leave :meth:`free_pages`; a room notice for that
+        opening marks them free again. Returns ``False`` when a notice for it was already
+        learnt: the pages are then marked free at once (the room will not complete).
+
+        A second call for the same opening replaces its pages. At most
+        ``max_failed_rooms`` openings are tracked (the oldest assignment is dropped and
+        counted in ``notice_stats().assignments_dropped``). Optional: a decode side that
+        does not call it just reads :meth:`failed_rooms`.
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            TransportParamError: bad ``room``/``gen`` (not ints >= 0) or bad page indices.
+        """
+        key = _opening(room, gen)
+        idx = tuple(int(p) for p in self._indices(pages))
+        with self._cond:
+            if key in self._failed:
+                self._free.update(idx)
+                self._counts["pages_freed"] += len(idx)
+                return False
+            self._assigned.pop(key, None)
+            self._assigned[key] = idx
+            self._free.difference_update(idx)
+            while len(self._assigned) > self._max_failed:
+                del self._assigned[next(iter(self._assigned))]
+                self._counts["assignments_dropped"] += 1
+            return True
+
+    def release_pages(self, room: int, gen: int) -> tuple[int, ...]:
+        """The decode side is done with opening ``(room, gen)`` (e.g. it completed): forget
+        its assignment and mark its pages free. Returns them (empty when none was assigned
+        or a notice already freed them).
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            TransportParamError: bad ``room``/``gen``.
+        """
+        key = _opening(room, gen)
+        with self._cond:
+            pages = self._assigned.pop(key, ())
+            self._free.update(pages)
+            return pages
+
+    def free_pages(self) -> list[int]:
+        """Pages marked free (by a room notice or :meth:`release_pages`) and not assigned
+        again since, sorted.
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            Nothing.
+        """
+        with self._cond:
+            return sorted(self._free)
+
     def notifs(self) -> dict[str, list[bytes]]:
-        """All notifications collected so far (sender agent name -> messages, in order).
+        """All per-transfer notifications collected so far (sender agent name -> messages,
+        in order). Room notices are not among them (see :meth:`failed_rooms`).
 
         Thread-safety: safe from any thread; returns a copy.
         """
@@ -345,12 +692,50 @@ class DecodePeer:
         self.close()
 
 
+def _opening(room: object, gen: object) -> tuple[int, int]:
+    """``(room, gen)`` checked: both exact ints >= 0."""
+    if type(room) is not int or room < 0 or type(gen) is not int or gen < 0:
+        raise TransportParamError(f"room and gen must be ints >= 0, got {room!r}, {gen!r}")
+    return room, gen
+
+
 def page_digest_bytes(data: bytes) -> str:
     """The digest :meth:`DecodePeer.page_digest` uses for one page's bytes."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 # --------------------------------------------------------------------------- framing
+
+
+class FrameError(ValueError):
+    """A control-channel frame broke the format or a limit (docs/PROTOCOL.md).
+
+    ``fatal`` is True when the frame's length itself was refused or the frame did not arrive
+    in time: the stream cannot be resynchronised, so the server closes the connection after
+    its error reply. Otherwise the whole frame was consumed and the connection stays usable.
+    """
+
+    def __init__(self, message: str, *, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.fatal = fatal
+
+
+@dataclass(frozen=True)
+class _Frame:
+    header: dict[str, Any]
+    body: bytes
+    header_len: int
+
+
+def _request_limits(num_pages: int) -> dict[str, tuple[int, int]]:
+    """Per command, the largest request header and body (bytes) a peer of ``num_pages``
+    pages accepts. Requests carry no body; a header is ``{"cmd": ...}`` plus, for the page
+    commands, a list of page indices (each at most ``len(str(num_pages))`` digits and a
+    ``", "`` separator)."""
+    pages_header = _SMALL_HEADER + num_pages * (len(str(num_pages)) + 2)
+    limits = dict.fromkeys(_SMALL_COMMANDS, (_SMALL_HEADER, 0))
+    limits.update(dict.fromkeys(_PAGE_COMMANDS, (pages_header, 0)))
+    return limits
 
 
 def _send_frame(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> None:
@@ -361,36 +746,77 @@ def _send_frame(sock: socket.socket, header: dict[str, Any], body: bytes = b"") 
         sock.sendall(body)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearray:
+    """Read exactly ``n`` bytes (``n`` is already bounded by the caller's limits)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FrameError("frame not complete in time", fatal=True)
+            sock.settimeout(remaining)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except TimeoutError:
+            raise FrameError("frame not complete in time", fatal=True) from None
         if k == 0:
             raise ConnectionError("connection closed mid-frame")
         got += k
-    return bytes(buf)
+    return buf
 
 
-def _recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes] | None:
-    """Read one frame; None on a clean EOF before its first byte."""
+def _read_frame(
+    sock: socket.socket, max_header: int, max_body: int, timeout_s: float | None
+) -> _Frame | None:
+    """Read one frame, refusing lengths over the limits before allocating anything.
+
+    Waits for the first byte as long as the socket's own timeout allows (``TimeoutError``
+    propagates); the rest of the frame must follow within ``timeout_s``. Returns None on a
+    clean EOF before the first byte.
+
+    Raises:
+        FrameError: A length over a limit (fatal), a frame not complete in time (fatal), or
+            a bad header: inconsistent length, not UTF-8, not JSON, nested too deep, not an
+            object (not fatal: the frame was consumed).
+        ConnectionError: The connection closed mid-frame.
+        OSError: Any other socket error.
+    """
     first = sock.recv(_FRAME.size)
     if not first:
         return None
-    if len(first) < _FRAME.size:
-        first += _recv_exact(sock, _FRAME.size - len(first))
-    (total,) = _FRAME.unpack(first)
-    if total < _FRAME.size or total > _MAX_FRAME:
-        raise ConnectionError(f"bad frame length {total}")
-    payload = _recv_exact(sock, total)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    prefix = first + _recv_exact(sock, _FRAME.size - len(first), deadline)
+    (total,) = _FRAME.unpack(prefix)
+    limit = _FRAME.size + max_header + max_body
+    if total < _FRAME.size:
+        raise FrameError(f"frame length {total} is shorter than its header length", fatal=True)
+    if total > limit:
+        raise FrameError(f"frame of {total} bytes exceeds the limit of {limit}", fatal=True)
+    payload = _recv_exact(sock, total, deadline)
     (hlen,) = _FRAME.unpack_from(payload)
     if hlen > total - _FRAME.size:
-        raise ConnectionError("bad header length")
-    header = json.loads(payload[_FRAME.size : _FRAME.size + hlen].decode())
+        raise FrameError(f"header length {hlen} exceeds the frame ({total} bytes)")
+    if hlen > max_header:
+        raise FrameError(f"header of {hlen} bytes exceeds the limit of {max_header}")
+    if total - _FRAME.size - hlen > max_body:
+        raise FrameError(
+            f"body of {total - _FRAME.size - hlen} bytes exceeds the limit of {max_body}"
+        )
+    try:
+        header = json.loads(payload[_FRAME.size : _FRAME.size + hlen].decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError: bad JSON or an int literal past Python's digit limit; RecursionError:
+        # nested too deep.
+        raise FrameError(f"bad header: {type(exc).__name__}: {_clip(str(exc))}") from None
     if not isinstance(header, dict):
-        raise ConnectionError("frame header is not an object")
-    return header, payload[_FRAME.size + hlen :]
+        raise FrameError(f"frame header is a JSON {type(header).__name__}, not an object")
+    return _Frame(header, bytes(payload[_FRAME.size + hlen :]), hlen)
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # --------------------------------------------------------------------------- server
@@ -399,61 +825,143 @@ def _recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes] | None:
 class PeerServer:
     """Serves one :class:`DecodePeer` over the loopback control channel.
 
-    An accept thread hands each connection to its own daemon thread; all are joined (with a
-    bound) by :meth:`close`. Binds to 127.0.0.1 only.
+    An accept thread hands each connection to its own daemon thread. Every frame is checked
+    against the per-command limits of docs/PROTOCOL.md before anything is allocated for it,
+    and every bad frame gets an ``{"ok": false, "error": ...}`` reply: the connection stays
+    open after a frame that was read whole, and is closed after one whose length was
+    refused. Binds to ``host`` (127.0.0.1 unless the caller opts in to another address).
 
-    Thread-safety: ``close``/``wait``/``shutdown_requested`` are safe from any thread.
+    Args:
+        peer: The decode peer to serve.
+        port: TCP port (0 = any free port; see ``port``).
+        host: Local IPv4 address to bind (default 127.0.0.1; ``main`` allows another one
+            only with ``--allow-host``).
+        io_timeout_s: How long an idle connection may wait for its next frame, and how long
+            the rest of a frame may take after its first byte.
+        max_connections: Connections served at once; more get an error reply and are closed.
+
+    Thread-safety: ``close``/``shutdown_requested`` are safe from any thread.
+
+    Raises:
+        OSError: The port cannot be bound.
     """
 
-    def __init__(self, peer: DecodePeer, port: int = 0, io_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        peer: DecodePeer,
+        port: int = 0,
+        io_timeout_s: float = 30.0,
+        max_connections: int = 64,
+        host: str = _HOST,
+    ) -> None:
         self._peer = peer
         self._io_timeout = io_timeout_s
+        self._max_connections = max_connections
+        self._limits = _request_limits(peer.num_pages)
+        self._max_header = max(h for h, _ in self._limits.values())
+        self._max_body = max(b for _, b in self._limits.values())
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((_HOST, port))
+        try:
+            self._sock.bind((host, port))
+        except BaseException:
+            self._sock.close()
+            raise
+        self.host = host
         self._sock.listen(16)
         self._sock.settimeout(0.2)
         self.port: int = self._sock.getsockname()[1]
         self.shutdown_requested = threading.Event()
         self._stop = threading.Event()
+        # _lock guards _closing, _conns and _workers. A connection leaves _conns (under the
+        # lock) before its socket is closed, so close() never shuts down a reused fd.
         self._lock = threading.Lock()
-        self._workers: set[threading.Thread] = set()  # guarded by _lock
+        self._closing = False
+        self._conns: set[socket.socket] = set()
+        self._workers: set[threading.Thread] = set()
         self._acceptor = threading.Thread(target=self._accept_loop, name="peer-accept", daemon=True)
         self._acceptor.start()
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            t = threading.Thread(target=self._serve, args=(conn,), name="peer-conn", daemon=True)
-            with self._lock:
-                self._workers = {w for w in self._workers if w.is_alive()}
-                self._workers.add(t)
-            t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(self._io_timeout)
+        try:
             while not self._stop.is_set():
                 try:
-                    frame = _recv_frame(conn)
-                except (OSError, ValueError):
-                    return
-                if frame is None:
-                    return
-                header, body = frame
-                try:
-                    reply, out = self._handle(header, body)
-                except Exception as exc:
-                    reply, out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, b""
-                try:
-                    _send_frame(conn, reply, out)
+                    conn, _ = self._sock.accept()
+                except TimeoutError:
+                    continue
                 except OSError:
+                    return  # close() shut the listening socket down
+                with self._lock:
+                    closing = self._closing
+                    full = len(self._conns) >= self._max_connections
+                    if not closing and not full:
+                        self._conns.add(conn)
+                        self._workers = {w for w in self._workers if w.is_alive()}
+                        t = threading.Thread(
+                            target=self._serve, args=(conn,), name="peer-conn", daemon=True
+                        )
+                        self._workers.add(t)
+                        t.start()  # under the lock: close() never sees an unstarted worker
+                if closing:
+                    conn.close()
                     return
+                if full:
+                    with conn:
+                        conn.settimeout(1.0)
+                        self._reply(conn, {"ok": False, "error": "too many connections"})
+        except Exception:  # a bug here must not end the thread silently
+            logger.exception("peer control channel: accept loop failed")
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_conn(conn)
+        except Exception:  # a bug here must not end the thread silently
+            logger.exception("peer control channel: connection failed")
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        while not self._stop.is_set():
+            conn.settimeout(self._io_timeout)
+            try:
+                frame = _read_frame(conn, self._max_header, self._max_body, self._io_timeout)
+            except FrameError as bad:
+                if not self._reply(conn, {"ok": False, "error": str(bad)}) or bad.fatal:
+                    return
+                continue
+            except OSError:  # EOF mid-frame, idle timeout, reset, or close() shut it down
+                return
+            if frame is None:
+                return
+            reply, out = self._dispatch(frame)
+            if not self._reply(conn, reply, out):
+                return
+
+    def _reply(self, conn: socket.socket, header: dict[str, Any], body: bytes = b"") -> bool:
+        try:
+            _send_frame(conn, header, body)
+        except OSError:
+            return False
+        return True
+
+    def _dispatch(self, frame: _Frame) -> tuple[dict[str, Any], bytes]:
+        cmd = frame.header.get("cmd")
+        limits = self._limits.get(cmd) if isinstance(cmd, str) else None
+        if limits is None:
+            return {"ok": False, "error": f"unknown command {_clip(repr(cmd), 60)}"}, b""
+        max_header, max_body = limits
+        if frame.header_len > max_header:
+            error = f"header of {frame.header_len} bytes exceeds the limit of {max_header}"
+            return {"ok": False, "error": f"{cmd}: {error}"}, b""
+        if len(frame.body) > max_body:
+            error = f"body of {len(frame.body)} bytes exceeds the limit of {max_body}"
+            return {"ok": False, "error": f"{cmd}: {error}"}, b""
+        try:
+            return self._handle(frame.header, frame.body)
+        except Exception as exc:
+            return {"ok": False, "error": f"{type(exc).__name__}: {_clip(str(exc))}"}, b""
 
     def _handle(self, req: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
         cmd = req.get("cmd")
@@ -469,50 +977,149 @@ class PeerServer:
             peer.clear_notifs()
             return {"ok": True}, b""
         if cmd == "digest":
-            return {"ok": True, "digests": peer.page_digest(_pages_arg(req))}, b""
+            return {"ok": True, "digests": peer.page_digest(_pages_arg(req, peer))}, b""
         if cmd == "read":
-            return {"ok": True}, peer.read_pages(_pages_arg(req))
+            return {"ok": True}, peer.read_pages(_pages_arg(req, peer))
         if cmd == "zero":
             pages = req.get("pages")
-            peer.zero_pages(None if pages is None else _pages_arg(req))
+            peer.zero_pages(None if pages is None else _pages_arg(req, peer))
             return {"ok": True}, b""
+        if cmd == "room_notices":
+            since = req.get("since", 0)
+            limit = req.get("limit", MAX_NOTICES_PER_REPLY)
+            if type(limit) is not int or not 1 <= limit <= MAX_NOTICES_PER_REPLY:
+                raise TransportParamError(
+                    f"'limit' must be an int in 1..{MAX_NOTICES_PER_REPLY}, got {limit!r}"
+                )
+            records, more, first = peer.room_notices(since, limit)
+            return {
+                "ok": True,
+                "notices": [list(r) for r in records],
+                "next": records[-1].seq if records else max(since, first - 1, 0),
+                "more": more,
+                "first": first,
+                "stats": dataclasses.asdict(peer.notice_stats()),
+            }, b""
+        if cmd == "assign_pages":
+            room, gen = _opening(req.get("room"), req.get("gen"))
+            assigned = peer.assign_pages(room, gen, _pages_arg(req, peer))
+            return {"ok": True, "assigned": assigned}, b""
+        if cmd == "release_pages":
+            released = peer.release_pages(*_opening(req.get("room"), req.get("gen")))
+            return {"ok": True, "pages": list(released)}, b""
+        if cmd == "free_pages":
+            return {"ok": True, "pages": peer.free_pages()}, b""
         if cmd == "shutdown":
             self.shutdown_requested.set()
             return {"ok": True}, b""
-        raise ValueError(f"unknown command {cmd!r}")
+        raise ValueError(f"unknown command {_clip(repr(cmd), 60)}")
 
-    def close(self) -> None:
-        """Stop accepting, close the socket and join all threads (bounded)."""
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop accepting, shut every open connection down and join all threads.
+
+        Bounded: idle connections are woken by the shutdown, so this takes about the time
+        of the slowest request in progress, at most ``timeout_s`` in all. Idempotent.
+
+        Thread-safety: safe from any thread (not from a connection thread).
+
+        Raises:
+            Nothing (socket errors while shutting down are ignored).
+        """
         self._stop.set()
+        with self._lock:
+            self._closing = True
+            workers = list(self._workers)
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)  # wakes a recv() blocked on it
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
         with contextlib.suppress(OSError):
             self._sock.close()
-        self._acceptor.join(timeout=5.0)
-        with self._lock:
-            workers = list(self._workers)
+        deadline = time.monotonic() + timeout_s
+        self._acceptor.join(timeout=max(0.0, deadline - time.monotonic()))
         for w in workers:
-            w.join(timeout=1.0)
+            w.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _pages_arg(req: dict[str, Any]) -> list[int]:
+def _pages_arg(req: dict[str, Any], peer: DecodePeer) -> list[int]:
     pages = req.get("pages")
     if not isinstance(pages, list) or not all(type(p) is int for p in pages):
         raise TransportParamError("'pages' must be a list of ints")
+    if len(pages) > peer.num_pages:
+        raise TransportParamError(f"'pages' lists more than the pool's {peer.num_pages} pages")
     return pages
+
+
+def _is_ipv4(text: str) -> bool:
+    """True for a dotted-quad IPv4 address."""
+    try:
+        socket.inet_pton(socket.AF_INET, text)
+    except OSError:
+        return False
+    return True
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m sender.peer``; returns the exit status."""
-    ap = argparse.ArgumentParser(prog="python -m sender.peer", description="Run a decode peer.")
-    ap.add_argument("--listen", default=f"{_HOST}:0", help="127.0.0.1:PORT (0 = any free port)")
-    ap.add_argument("--pages", type=int, required=True)
-    ap.add_argument("--page-bytes", type=int, required=True)
+    ap = argparse.ArgumentParser(
+        prog="python -m sender.peer",
+        description=(
+            "Run a decode peer: a KV pool registered with NIXL that remote senders write "
+            f"into. Once ready it prints one line, 'LISTENING {_HOST}:<port>', on stdout "
+            "(its control channel); everything else goes to stderr. SIGTERM/SIGINT stop it."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument(
+        "--listen",
+        default=f"{_HOST}:0",
+        help=f"ADDR:PORT of the control channel (0 = any free port); ADDR must be {_HOST} "
+        "unless --allow-host names it",
+    )
+    ap.add_argument(
+        "--allow-host",
+        default=None,
+        metavar="ADDR",
+        help="also allow this local IPv4 address for --listen (e.g. the peer's address in its "
+        "own network namespace); the control channel is then reachable wherever ADDR is",
+    )
+    ap.add_argument("--pages", type=_positive_int, required=True, help="pages in the KV pool")
+    ap.add_argument(
+        "--page-bytes", type=_positive_int, required=True, help="bytes per KV page"
+    )
     ap.add_argument("--name", default=None, help="NIXL agent name (default: unique)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    ap.add_argument("--device", default="cpu", help="torch device of the pool: cpu or cuda[:N]")
+    ap.add_argument(
+        "--parent-pid", type=int, default=0, help="exit when this process is gone (0 = never)"
+    )
     args = ap.parse_args(argv)
     host, _, port_s = args.listen.rpartition(":")
-    if host != _HOST:
-        ap.error("only 127.0.0.1 may be used")
+    if args.allow_host is not None and not _is_ipv4(args.allow_host):
+        ap.error(f"--allow-host: not an IPv4 address: {args.allow_host!r}")
+    if host != _HOST and host != args.allow_host:
+        ap.error(f"--listen: only {_HOST} (or the address given to --allow-host) may be used")
+    if not port_s.isdigit() or int(port_s) > 65535:
+        ap.error(f"--listen: bad port {port_s!r}")
+    if args.device != "cpu":
+        import torch
+
+        try:
+            torch.empty(1, device=args.device)
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            ap.error(f"--device {args.device!r} is not usable here: {first}")
     name = args.name or f"decode-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     stop = threading.Event()
@@ -521,9 +1128,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     peer = DecodePeer(name, args.pages, args.page_bytes, device=args.device)
     try:
-        server = PeerServer(peer, int(port_s))
         try:
-            sys.stdout.write(f"LISTENING {_HOST}:{server.port}\n")
+            server = PeerServer(peer, int(port_s), host=host)
+        except OSError as exc:  # e.g. ADDR is not an address of this namespace
+            print(
+                f"python -m sender.peer: cannot listen on {host}:{port_s}: {exc}", file=sys.stderr
+            )
+            return 2
+        try:
+            sys.stdout.write(f"LISTENING {host}:{server.port}\n")
             sys.stdout.flush()
             # From now on nothing may write to the pipe the parent stopped reading.
             os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
@@ -542,7 +1155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class PeerProcess:
-    """A :class:`DecodePeer` in a child process, controlled over the loopback channel.
+    """A :class:`DecodePeer` in a child process, controlled over its TCP control channel.
 
     Starting costs ~1-3 s (the child imports torch and NIXL). ``close()`` always reaps the
     child: SIGCONT+SIGTERM, SIGKILL after ``term_grace_s``, then wait.
@@ -555,6 +1168,14 @@ class PeerProcess:
         start_timeout_s: Bound on the wait for the ``LISTENING`` line and the metadata.
         rpc_timeout_s: Bound on every socket operation of a request.
         stderr: Where the child's stderr goes (``None`` = inherit).
+        netns: Start the child inside this network namespace (``ip netns exec NETNS ...``,
+            which needs the privileges to enter it; the child is still our direct child, so
+            signals reach it). ``None``: this process's namespace.
+        host: Address of the control channel: the child listens on it (``--allow-host`` when
+            it is not 127.0.0.1) and we connect to it. With ``netns`` it must be an address
+            of that namespace reachable from this one (127.0.0.1 would be the namespace's
+            own loopback, which we cannot reach).
+        env: Extra environment of the child (e.g. ``{"UCX_TLS": "tcp"}``); wins over ours.
 
     Not thread-safe for lifecycle methods (``kill``/``stop``/``cont``/``restart``/``close``);
     query methods open a connection per call and may be used from several threads.
@@ -574,7 +1195,14 @@ class PeerProcess:
         rpc_timeout_s: float = 10.0,
         term_grace_s: float = 3.0,
         stderr: int | IO[Any] | None = None,
+        netns: str | None = None,
+        host: str = _HOST,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        if not _is_ipv4(host):
+            raise PeerError(f"host must be an IPv4 address, got {host!r}")
+        if netns is not None and host == _HOST:
+            raise PeerError(f"a peer in netns {netns!r} cannot be reached on {_HOST}")
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self._prefix = name
@@ -583,6 +1211,9 @@ class PeerProcess:
         self._rpc_timeout = rpc_timeout_s
         self._term_grace = term_grace_s
         self._stderr = stderr
+        self.netns = netns
+        self.host = host
+        self._extra_env = dict(env or {})
         self._proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.agent_name = ""
@@ -600,9 +1231,12 @@ class PeerProcess:
         env["PYTHONUNBUFFERED"] = "1"
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env.update(self._extra_env)
+        prefix = [] if self.netns is None else ["ip", "netns", "exec", self.netns]
+        allow = [] if self.host == _HOST else ["--allow-host", self.host]
         cmd = [
-            sys.executable, "-m", "sender.peer",
-            "--listen", f"{_HOST}:0",
+            *prefix, sys.executable, "-m", "sender.peer",
+            "--listen", f"{self.host}:0", *allow,
             "--pages", str(self.num_pages),
             "--page-bytes", str(self.page_bytes),
             "--name", agent_name,
@@ -755,16 +1389,21 @@ class PeerProcess:
         timeout = self._rpc_timeout if timeout_s is None else timeout_s
         if self._proc is None:
             raise PeerError("no peer process")
+        cmd = req.get("cmd")
+        if cmd == "read":  # bound the reply: exactly the pages asked for
+            max_body = len(req.get("pages") or ()) * self.page_bytes
+        else:
+            max_body = _MAX_METADATA if cmd == "metadata" else 0
         try:
-            with socket.create_connection((_HOST, self.port), timeout=timeout) as sock:
+            with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
                 sock.settimeout(timeout)
                 _send_frame(sock, req)
-                frame = _recv_frame(sock)
-        except (OSError, ValueError) as exc:
-            raise PeerError(f"peer request {req.get('cmd')!r} failed: {exc}") from exc
+                frame = _read_frame(sock, _MAX_REPLY_HEADER, max_body, timeout)
+        except (OSError, ValueError) as exc:  # FrameError is a ValueError
+            raise PeerError(f"peer request {cmd!r} failed: {exc}") from exc
         if frame is None:
-            raise PeerError(f"peer closed the connection on {req.get('cmd')!r}")
-        header, body = frame
+            raise PeerError(f"peer closed the connection on {cmd!r}")
+        header, body = frame.header, frame.body
         if not header.get("ok"):
             raise PeerError(f"peer refused {req.get('cmd')!r}: {header.get('error')}")
         return header, body
@@ -836,6 +1475,106 @@ class PeerProcess:
         """
         arg = None if pages is None else [int(p) for p in pages]
         self._call({"cmd": "zero", "pages": arg})
+
+    # ------------------------------------------------------------------ room notices
+
+    def room_notices(self, since: int = 0, limit: int = MAX_NOTICES_PER_REPLY) -> NoticePage:
+        """One page of the child's room-notice history: records with ``seq > since``, at
+        most ``limit`` (<= :data:`MAX_NOTICES_PER_REPLY`). Page on with ``since=page.next``
+        while ``page.more``.
+
+        Raises:
+            PeerError: Bad arguments, a malformed reply, or no answer in time.
+        """
+        header, _ = self._call({"cmd": "room_notices", "since": since, "limit": limit})
+        try:
+            records = tuple(
+                NoticeRecord(
+                    int(seq), int(room), int(gen), str(out), str(code), float(at), str(sender)
+                )
+                for seq, room, gen, out, code, at, sender in header["notices"]
+            )
+            stats = NoticeStats(**{k: int(v) for k, v in header["stats"].items()})
+            return NoticePage(
+                records, int(header["next"]), bool(header["more"]), int(header["first"]), stats
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PeerError(f"malformed room_notices reply: {exc!r}") from None
+
+    def failed_rooms(self, max_pages: int = 128) -> dict[tuple[int, int], LearntRoom]:
+        """Every opening the child knows as failed or cleared from room notices
+        (``(room, gen) -> (outcome, code, learnt_at)``; ``learnt_at`` is the child's
+        ``time.monotonic()``, comparable with ours on the same host). Pages through the
+        history, at most ``max_pages`` requests.
+
+        Raises:
+            PeerError: No answer in time, or the child is gone.
+        """
+        out: dict[tuple[int, int], LearntRoom] = {}
+        since = 0
+        for _ in range(max_pages):
+            page = self.room_notices(since)
+            for rec in page.records:
+                out[(rec.room, rec.gen)] = rec.learnt
+            since = page.next
+            if not page.more:
+                break
+        return out
+
+    def notice_stats(self) -> NoticeStats:
+        """The child's room-notice counters.
+
+        Raises:
+            PeerError: No answer in time.
+        """
+        return self.room_notices(0, 1).stats
+
+    def wait_room_failed(
+        self, room: int, gen: int, timeout_s: float, interval_s: float = 0.005
+    ) -> LearntRoom | None:
+        """Poll the child until it learnt a room notice for ``(room, gen)``; ``None`` on
+        timeout.
+
+        Raises:
+            PeerError: The child stopped answering.
+        """
+        end = time.monotonic() + timeout_s
+        while True:
+            learnt = self.failed_rooms().get((room, gen))
+            if learnt is not None or time.monotonic() >= end:
+                return learnt
+            time.sleep(interval_s)
+
+    def assign_pages(
+        self, room: int, gen: int, pages: Sequence[int] | np.ndarray[Any, Any]
+    ) -> bool:
+        """:meth:`DecodePeer.assign_pages` in the child.
+
+        Raises:
+            PeerError: Bad arguments or no answer in time.
+        """
+        header, _ = self._call(
+            {"cmd": "assign_pages", "room": room, "gen": gen, "pages": [int(p) for p in pages]}
+        )
+        return bool(header.get("assigned"))
+
+    def release_pages(self, room: int, gen: int) -> tuple[int, ...]:
+        """:meth:`DecodePeer.release_pages` in the child.
+
+        Raises:
+            PeerError: Bad arguments or no answer in time.
+        """
+        header, _ = self._call({"cmd": "release_pages", "room": room, "gen": gen})
+        return tuple(int(p) for p in header.get("pages", ()))
+
+    def free_pages(self) -> list[int]:
+        """:meth:`DecodePeer.free_pages` in the child.
+
+        Raises:
+            PeerError: No answer in time.
+        """
+        header, _ = self._call({"cmd": "free_pages"})
+        return [int(p) for p in header.get("pages", ())]
 
 
 if __name__ == "__main__":

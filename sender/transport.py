@@ -13,8 +13,12 @@ keep NIXL's progress thread (peers need it: without one, a receiver must call
 delay: the wrapper is built with ``enable_prog_thread=False`` and no backend (so its own
 binding agent never starts a thread or a backend), then its public ``agent`` attribute is
 replaced by a binding agent built from our ``nixlAgentConfig`` (``pthrDelay`` =
-``progress_delay_us``, default 1000 µs), and the UCX backend is created on that one. Every
+``progress_delay_us``, default 100 µs), and the UCX backend is created on that one. Every
 wrapper method goes through ``self.agent``, so the rest of the wrapper works unchanged.
+The default was 1000 µs; a long delay stalls UCX's pipeline on large writes: measured side
+by side (16 MiB writes to a peer process, 2-core VM, noisy) 2.6-3.7 GB/s at 1000 µs against
+6.6-8.2 GB/s at 100 and 20 µs, while an idle transport cost the same ~2 % of a core at 20,
+100, 200 and 1000 µs (``time.process_time`` over 1 s). So 100 µs.
 Measured on a 2-core VM (NIXL 1.5.1, no GPU): an idle transport with a registered 16 MiB
 pool costs 1.6-2.0 % of one core (stock config: 100 % per agent, two idle agents 199 %);
 the binding's progress thread alone at ``pthrDelay`` 1000 us is ~1.5-2 %, at 2000 us about
@@ -42,6 +46,7 @@ across a NIXL call; ``Transfer._lock`` is held across that transfer's own NIXL c
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -51,7 +56,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -92,7 +97,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_PROGRESS_DELAY_US = 1000
+DEFAULT_PROGRESS_DELAY_US = 100
 
 TransferState = Literal["DONE", "PROC"]
 PageIndices = Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -100,6 +105,12 @@ PageIndices = Sequence[int] | npt.NDArray[np.integer[Any]]
 _MAGIC = b"NXSTG\x01"
 _HEADER_LEN = struct.Struct(">I")
 _MAX_HEADER = 1 << 20
+_ADDR_LIMIT = 1 << 63  # region end (base_addr + nbytes) must fit a signed 64-bit descriptor
+_DEVICE_LIMIT = 1 << 31
+# How long close() keeps retired regions' memory alive after dropping the agent. On one host
+# UCX writes by CMA (the sender's process_vm_writev), so a sender that has not yet noticed the
+# disconnect can land bytes after close(): measured up to ~1 ms later (docs/PROTOCOL.md).
+_RETIRED_GRACE_S = 0.25
 
 
 # --------------------------------------------------------------------------- metadata
@@ -155,6 +166,9 @@ class RegionInfo:
         base, nbytes, page_bytes, num_pages, device_id = ints
         if page_bytes <= 0 or num_pages <= 0 or nbytes != page_bytes * num_pages:
             raise TransportParamError(f"inconsistent sizes in region {name!r}")
+        if base + nbytes >= _ADDR_LIMIT or device_id >= _DEVICE_LIMIT:
+            # Descriptors are int64 rows: a larger address would overflow or wrap.
+            raise TransportParamError(f"address or device id out of range in region {name!r}")
         if mem_type not in ("DRAM", "VRAM"):
             raise TransportParamError(f"unsupported mem type {mem_type!r} in region {name!r}")
         return cls(name, base, nbytes, page_bytes, num_pages, mem_type, device_id)
@@ -206,8 +220,10 @@ def decode_metadata(data: bytes) -> PeerMetadata:
         raise TransportParamError("truncated metadata header")
     try:
         header = json.loads(data[off : off + hlen].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TransportParamError(f"bad metadata header: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError and an int literal past Python's digit limit;
+        # RecursionError a header nested too deep.
+        raise TransportParamError(f"bad metadata header: {type(exc).__name__}") from None
     blob = data[off + hlen :]
     if not isinstance(header, dict) or not isinstance(header.get("agent"), str):
         raise TransportParamError("bad metadata header: no agent name")
@@ -217,6 +233,8 @@ def decode_metadata(data: bytes) -> PeerMetadata:
     regions: dict[str, RegionInfo] = {}
     for raw in raw_regions:
         info = RegionInfo.from_json(raw)
+        if info.name in regions:
+            raise TransportParamError(f"bad metadata header: region {info.name!r} twice")
         regions[info.name] = info
     if not blob:
         raise TransportParamError("metadata has no NIXL agent blob")
@@ -242,6 +260,9 @@ class TransportStats:
     live_transfers: int
     peers: int
     regions: int
+    release_refused: int = 0
+    """Handles NIXL refused to release (active, cannot cancel). Kept referenced and retried
+    by :meth:`NixlTransport.close`; never released twice."""
 
 
 # --------------------------------------------------------------------------- internals
@@ -252,6 +273,7 @@ class _LocalRegion:
     info: RegionInfo
     memory: object  # the tensor/array, kept referenced while registered
     reg_descs: Any  # NIXL registration list, needed to deregister
+    prepped: Any = None  # NIXL prepared list, one descriptor per page (None: not prepared)
 
 
 @dataclass(eq=False)
@@ -260,6 +282,8 @@ class _Peer:
     agent_name: str
     regions: dict[str, RegionInfo]
     transfers: set[Transfer] = field(default_factory=set)
+    # NIXL prepared lists of the peer's regions, one descriptor per page, by region name.
+    prepped: dict[str, Any] = field(default_factory=dict)
 
 
 def _as_pages(pages: PageIndices, what: str) -> npt.NDArray[np.int64]:
@@ -339,6 +363,7 @@ class Transfer:
         self._handle: Any = None  # guarded by _lock; NIXL handle, None before post/after release
         self._done = False  # guarded by _lock
         self._failure: BaseException | None = None  # guarded by _lock
+        self._timed_out = False  # guarded by _lock; the failure is our deadline, not NIXL's
         self._released = False  # guarded by _lock
 
     # -- read-only properties (plain reads of immutable or monotonic fields) --
@@ -438,26 +463,64 @@ class Transfer:
                 raise err
             if time.monotonic() >= self._deadline:
                 err2 = TransferTimeoutError(self._session_id, self._timeout_s)
+                self._timed_out = True
                 self._fail_locked(err2, timed_out=True)
                 raise err2
             return "PROC"
 
-    def wait(self, timeout_s: float | None = None, interval_s: float = 0.0002) -> None:
-        """Poll until ``"DONE"``, sleeping ``interval_s`` between polls.
+    def wait(self, timeout_s: float | None = None, interval_s: float | None = None) -> None:
+        """Poll until ``"DONE"``.
+
+        By default the pause between polls adapts (:func:`poll_pauses`): a few polls that
+        only yield the GIL (a small write is done in tens of microseconds), then pauses
+        doubling from 10 µs to 1 ms, so a long write costs little CPU and a short one little
+        latency. ``interval_s`` fixes the pause instead.
 
         Thread-safety: safe from any thread (each poll takes the transfer's lock briefly).
 
         Raises:
+            TypeError, ValueError: ``timeout_s`` not ``None`` or a number >= 0 (``inf`` =
+                no limit; NaN refused), ``interval_s`` not ``None`` or a finite number >= 0.
             TimeoutError: ``timeout_s`` elapsed first (the transfer itself is not failed by
                 this; its own deadline still applies).
             TransferTimeoutError, TransferReleasedError, TransferFailedError: as ``poll()``.
             Exception: a NIXL transport error, as ``poll()``.
         """
-        end = None if timeout_s is None else time.monotonic() + timeout_s
+        if timeout_s is not None:
+            _check_wait_arg(timeout_s, "timeout_s")
+        if interval_s is not None:
+            _check_wait_arg(interval_s, "interval_s")
+            if not math.isfinite(interval_s):
+                raise ValueError(f"interval_s must be finite, got {interval_s!r}")
+        end = None if timeout_s is None else time.monotonic() + float(timeout_s)
+        pauses = poll_pauses() if interval_s is None else itertools.repeat(float(interval_s))
         while self.poll() != "DONE":
             if end is not None and time.monotonic() >= end:
                 raise TimeoutError(f"wait({timeout_s}) elapsed for {self!r}")
-            time.sleep(interval_s)
+            time.sleep(next(pauses))
+
+    def settled(self) -> bool:
+        """``True`` once this write can no longer move bytes, as far as NIXL can tell: it
+        is done, released, or failed with an error NIXL reported. A transfer that failed
+        only by *our* deadline (:class:`TransferTimeoutError`) is not settled while NIXL
+        still reports it in progress: its peer may be hung and resume, and the write may
+        then still happen. So this asks NIXL again (``check_xfer_state``): ``"DONE"`` or an
+        error means settled. Never raises.
+
+        Thread-safety: safe from any thread; serialised with ``poll()``/``release()``.
+        """
+        with self._lock:
+            if self._released or self._done:
+                return True
+            if self._failure is None:
+                return False
+            if not self._timed_out:
+                return True
+            try:
+                state = self._agent.check_xfer_state(self._handle)
+            except Exception:
+                return True
+            return bool(state != "PROC")
 
     def release(self) -> None:
         """Release the NIXL handle (at most once).
@@ -465,8 +528,9 @@ class Transfer:
         Idempotent: later calls (from any thread) are no-ops and never touch NIXL.
         Releasing a handle that is still ``"PROC"`` cancels it as far as NIXL can: **data
         may still land** in the peer's buffer afterwards. If NIXL refuses the release, the
-        error is logged and the handle is left to the NIXL wrapper's own deferred cleanup;
-        this object counts as released either way, so a second release is impossible.
+        error is logged and the transport keeps the handle (counted in
+        ``stats().release_refused``) and retries it once at :meth:`NixlTransport.close`; this
+        object counts as released either way, so a second release is impossible.
 
         Thread-safety: safe from any thread; blocks while a ``poll()`` of this transfer runs.
         """
@@ -482,9 +546,9 @@ class Transfer:
                     agent.release_xfer_handle(handle)
                 except Exception as exc:
                     error = exc
-            self._transport._on_released(self)
+            self._transport._on_released(self, refused=handle if error is not None else None)
         if error is not None:
-            logger.warning("releasing %r failed (%s); left to NIXL's cleanup", self, error)
+            logger.warning("releasing %r failed (%s); retried at close()", self, error)
 
     # -- internal, called by NixlTransport / poll with self._lock held --
     def _fail_locked(self, exc: BaseException, *, timed_out: bool) -> BaseException:
@@ -559,6 +623,13 @@ class NixlTransport:
         self._n_failed = 0  # guarded by _lock
         self._n_timed_out = 0  # guarded by _lock
         self._n_released = 0  # guarded by _lock
+        # NIXL handles whose release NIXL refused, kept referenced (so that the wrapper's
+        # finaliser never runs a second release) and retried by close(). Guarded by _lock.
+        self._refused_handles: list[Any] = []
+        self._n_release_refused = 0  # guarded by _lock
+        # Deregistered regions whose memory is kept alive until close(): a remote sender may
+        # still hold their old metadata and write into them. Guarded by _lock.
+        self._retired: list[_LocalRegion] = []
 
     # ------------------------------------------------------------------ properties
 
@@ -599,9 +670,9 @@ class NixlTransport:
         """Register a contiguous tensor as region ``name`` of pages of ``page_bytes`` bytes.
 
         CPU tensors (and numpy arrays) are registered as DRAM, CUDA tensors as VRAM of their
-        device. The memory is kept referenced until :meth:`deregister_region` or
-        :meth:`close`. Peers that already hold this transport's metadata must fetch it again
-        to see the new region.
+        device. The memory is kept referenced until :meth:`close`, also after
+        :meth:`deregister_region` (a remote sender may still write into it). Peers that
+        already hold this transport's metadata must fetch it again to see the new region.
 
         Thread-safety: safe from any thread; serialised with other membership changes.
 
@@ -636,30 +707,42 @@ class NixlTransport:
                 raise TransportParamError(
                     f"NIXL rejected region {name!r}", status_name(exc)
                 ) from exc
+            prepped = _prep_pages(agent, "NIXL_INIT_AGENT", info, f"local region {name!r}")
             with self._lock:
-                self._regions[name] = _LocalRegion(info, tensor, reg)
+                self._regions[name] = _LocalRegion(info, tensor, reg, prepped)
         return info
 
     def deregister_region(self, name: str) -> bool:
-        """Deregister region ``name``; returns False if it was not registered.
+        """Retire region ``name``; returns False if it was not registered.
 
-        Live transfers reading from this region are released first (see
-        :meth:`Transfer.release`: pending data may still land).
+        The region leaves :meth:`regions` and every later :meth:`metadata` at once, new
+        writes from it are refused, live transfers reading from it are released (see
+        :meth:`Transfer.release`: a pending one may still read it), and NIXL's registration
+        is dropped. **Its memory is not released**: the transport keeps the tensor
+        referenced until :meth:`close` (and briefly after, see docs/PROTOCOL.md), because a
+        remote sender that loaded the old metadata can still WRITE into it — NIXL 1.5.1 does
+        not refuse such a write after ``deregister_memory`` (measured over UCX CMA and TCP:
+        the bytes land), and nothing tells the receiver when every sender has dropped the
+        metadata. The caller must not reuse that memory (nor register it again) before
+        :meth:`close` either. Registering a new region under the same name is fine: it
+        gets new memory, and senders see it only after fetching the metadata again.
 
         Thread-safety: safe from any thread; serialised with other membership changes.
 
         Raises:
-            Nothing for NIXL failures (logged); the tensor is dropped regardless.
+            Nothing for NIXL failures (logged); the region is retired regardless.
         """
         with self._admin_lock:
             with self._lock:
                 region = self._regions.pop(name, None)
                 if region is None:
                     return False
+                self._retired.append(region)  # memory stays alive until close()
                 users = [t for t in self._live if t.src_region == name]
                 agent = self._agent
-            for t in users:
+            for t in users:  # waits for posts in progress from this region to return
                 t.release()
+            _release_prepped(agent, region.prepped)
             try:
                 agent.deregister_memory(region.reg_descs, ["UCX"])
             except Exception as exc:
@@ -726,11 +809,24 @@ class NixlTransport:
                 ) from exc
             loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded_name != meta.agent_name:
+                with self._lock:
+                    in_use = loaded_name in self._remote_refs
+                if not in_use:  # we loaded it just now: unload it again
+                    try:
+                        agent.remove_remote_agent(loaded_name)
+                    except Exception as exc:
+                        logger.warning("unloading remote agent %r failed: %s", loaded_name, exc)
                 raise TransportParamError(
                     f"metadata names agent {meta.agent_name!r} but NIXL loaded {loaded_name!r}"
                 )
+            prepped = {
+                rname: _prep_pages(agent, loaded_name, rinfo, f"region {rname!r} of {session_id!r}")
+                for rname, rinfo in meta.regions.items()
+            }
             with self._lock:
-                self._peers[session_id] = _Peer(session_id, loaded_name, dict(meta.regions))
+                self._peers[session_id] = _Peer(
+                    session_id, loaded_name, dict(meta.regions), prepped=prepped
+                )
                 self._remote_refs[loaded_name] = self._remote_refs.get(loaded_name, 0) + 1
         return meta
 
@@ -753,8 +849,11 @@ class NixlTransport:
                 transfers = list(peer.transfers)
                 last = self._drop_remote_ref_locked(peer.agent_name)
                 agent = self._agent
-            for t in transfers:
+            for t in transfers:  # waits for posts in progress to this peer to return
                 t.release()
+            if agent is not None:
+                for handle in peer.prepped.values():
+                    _release_prepped(agent, handle)
             if last and agent is not None:
                 try:
                     agent.remove_remote_agent(peer.agent_name)
@@ -815,8 +914,18 @@ class NixlTransport:
         """Post ONE transfer writing local pages ``src_pages[i]`` to remote ``dst_pages[i]``.
 
         Indices are validated before NIXL is touched. With ``coalesce`` runs of pages that
-        are consecutive on both sides become one descriptor. ``notif`` (if given) is
-        delivered to the peer's ``get_notifs()`` once the data has landed.
+        are consecutive on both sides become one descriptor.
+
+        ``notif`` (if given) reaches the peer's ``get_notifs()`` after the data landed, but
+        NIXL 1.5.1 sends it only from a status check on this side: from the post itself when
+        the write completes inside it, else from the first :meth:`Transfer.poll` (or the
+        check inside :meth:`Transfer.release`) that finds it complete — never from NIXL's
+        progress thread alone. So a pending transfer that nobody polls does not notify even
+        after its data landed, and a transfer already reported as failed (e.g.
+        :class:`TransferTimeoutError`) still sends its notification when it is released, or
+        its peer removed, after the data landed. A per-transfer notification means "these
+        bytes landed", never "the room succeeded" (docs/PROTOCOL.md;
+        tests/test_receiver_lifetime.py pins both behaviours).
 
         Thread-safety: safe from any thread, concurrently with everything else; a concurrent
         ``remove_peer``/``close`` either sees and releases this transfer or makes this call
@@ -867,34 +976,32 @@ class NixlTransport:
                 f"page size differs: local {src_region!r} {li.page_bytes} B, "
                 f"remote {dst_region!r} {remote.page_bytes} B"
             )
-        _check_range(src, li.num_pages, "src_pages", src_region)
-        _check_range(dst, remote.num_pages, "dst_pages", dst_region)
-        # Steps by slicing (several times cheaper than np.diff on small arrays).
-        dst_step = dst[1:] - dst[:-1]
-        # Strictly increasing destinations (the common case) cannot repeat; only otherwise
-        # pay for the sort that finds duplicates.
-        if n > 1 and not bool((dst_step > 0).all()):
-            ordered = np.sort(dst)
-            if bool((ordered[1:] == ordered[:-1]).any()):
+        if n <= _SMALL_WRITE:  # Python beats numpy's per-call overhead on a few pages
+            src_list, dst_list = src.tolist(), dst.tolist()
+            _check_range_list(src_list, li.num_pages, "src_pages", src_region)
+            _check_range_list(dst_list, remote.num_pages, "dst_pages", dst_region)
+            if len(set(dst_list)) != n:
                 raise TransportParamError("dst_pages contains duplicates")
-
-        runs = (src[1:] - src[:-1] != 1) | (dst_step != 1) if coalesce and n > 1 else None
-        if runs is not None and not bool(runs.any()):
-            # One run on both sides: a single descriptor each.
-            src_rows = _descs(li.base_addr, li.page_bytes, src[:1], n, li.device_id)
-            dst_rows = _descs(remote.base_addr, remote.page_bytes, dst[:1], n, remote.device_id)
-        elif runs is not None:
-            starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(runs) + 1))
-            ends = np.append(starts[1:], n)
-            counts = ends - starts
-            src_rows = _descs(li.base_addr, li.page_bytes, src[starts], counts, li.device_id)
-            dst_rows = _descs(
-                remote.base_addr, remote.page_bytes, dst[starts], counts, remote.device_id
-            )
+            dst_step = None
         else:
-            src_rows = _descs(li.base_addr, li.page_bytes, src, 1, li.device_id)
-            dst_rows = _descs(remote.base_addr, remote.page_bytes, dst, 1, remote.device_id)
+            _check_range(src, li.num_pages, "src_pages", src_region)
+            _check_range(dst, remote.num_pages, "dst_pages", dst_region)
+            # Steps by slicing (several times cheaper than np.diff on small arrays).
+            dst_step = dst[1:] - dst[:-1]
+            # Strictly increasing destinations (the common case) cannot repeat; only
+            # otherwise pay for the sort that finds duplicates.
+            if not bool((dst_step > 0).all()):
+                ordered = np.sort(dst)
+                if bool((ordered[1:] == ordered[:-1]).any()):
+                    raise TransportParamError("dst_pages contains duplicates")
 
+        local_prepped = local.prepped
+        remote_prepped = peer.prepped.get(dst_region)
+        prepared = local_prepped is not None and remote_prepped is not None
+        if not prepared:
+            if dst_step is None:
+                dst_step = dst[1:] - dst[:-1]
+            src_rows, dst_rows = _rows_for(li, remote, src, dst, dst_step, coalesce)
         xfer = Transfer(self, agent, session_id, src_region, n, li.page_bytes, timeout)
         with xfer._lock:  # fresh lock: nobody else can hold it yet
             with self._lock:
@@ -909,15 +1016,33 @@ class NixlTransport:
                 self._live.add(xfer)
                 peer.transfers.add(xfer)
             try:
-                bindings = _nixl.require()
-                local_descs = bindings.nixlXferDList(_mem_seg(bindings, li.mem_type), src_rows)
-                remote_descs = bindings.nixlXferDList(
-                    _mem_seg(bindings, remote.mem_type), dst_rows
-                )
                 msg = notif or b""
-                xfer._handle = agent.initialize_xfer(
-                    "WRITE", local_descs, remote_descs, peer.agent_name, msg
-                )
+                if prepared:
+                    # Prepared once per region/peer; NIXL merges runs of adjacent pages.
+                    # The lists stay valid here: remove_peer/deregister_region/close
+                    # release them only after releasing this transfer (which waits for
+                    # us: we hold its lock).
+                    extra = {} if coalesce else {"skip_desc_merge": True}
+                    xfer._handle = agent.make_prepped_xfer(
+                        "WRITE",
+                        local_prepped,
+                        src.astype(np.int32),
+                        remote_prepped,
+                        dst.astype(np.int32),
+                        msg,
+                        **extra,
+                    )
+                else:
+                    bindings = _nixl.require()
+                    local_descs = bindings.nixlXferDList(
+                        _mem_seg(bindings, li.mem_type), src_rows
+                    )
+                    remote_descs = bindings.nixlXferDList(
+                        _mem_seg(bindings, remote.mem_type), dst_rows
+                    )
+                    xfer._handle = agent.initialize_xfer(
+                        "WRITE", local_descs, remote_descs, peer.agent_name, msg
+                    )
                 state = agent.transfer(xfer._handle, msg)
                 if state == "ERR" or state not in ("DONE", "PROC"):
                     raise TransferFailedError(
@@ -929,11 +1054,12 @@ class NixlTransport:
                 if param is not None:
                     raise param from exc
                 raise
-            with self._lock:
-                self._n_started += 1
             if state == "DONE":
                 xfer._done = True
-                self._on_done()
+            with self._lock:  # one round trip for both counters
+                self._n_started += 1
+                if state == "DONE":
+                    self._n_done += 1
         return xfer
 
     def _abort_post_locked(self, xfer: Transfer, exc: BaseException) -> None:
@@ -951,6 +1077,27 @@ class NixlTransport:
             self._forget_locked(xfer)
             if classify(exc):
                 self._n_failed += 1
+
+    def send_notif(self, session_id: str, message: bytes) -> None:
+        """Send a standalone NIXL notification (not bound to a transfer) to a peer.
+
+        Thread-safety: safe from any thread.
+
+        Raises:
+            TransportParamError: ``message`` is not non-empty bytes.
+            PeerNotFoundError: unknown session.
+            TransportClosedError: the transport is closed.
+            Exception: a NIXL transport error (e.g. the peer is gone).
+        """
+        if not isinstance(message, bytes) or not message:
+            raise TransportParamError("a notification is non-empty bytes")
+        with self._lock:
+            self._check_open()
+            peer = self._peers.get(session_id)
+            agent = self._agent
+        if peer is None:
+            raise PeerNotFoundError(session_id)
+        agent.send_notif(peer.agent_name, message)
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """New notifications since the last call: remote agent name -> messages, in order.
@@ -996,6 +1143,7 @@ class NixlTransport:
                 live_transfers=len(self._live),
                 peers=len(self._peers),
                 regions=len(self._regions),
+                release_refused=self._n_release_refused,
             )
 
     # ------------------------------------------------------------------ close
@@ -1003,6 +1151,11 @@ class NixlTransport:
     def close(self) -> None:
         """Release every live transfer, remove every peer, deregister every region and drop
         the NIXL agent (its progress thread stops when the agent is destroyed).
+
+        Memory of regions retired by :meth:`deregister_region` is released last, about
+        0.25 s after the agent was dropped (a same-host sender may land a write ~1 ms after
+        close; docs/PROTOCOL.md), so close() then takes that long. Live regions' memory is
+        the caller's again when close() returns.
 
         Idempotent. Afterwards ``write_pages``/``add_peer``/``metadata``/``get_notifs``
         raise :class:`TransportClosedError`; polls of released transfers raise
@@ -1021,9 +1174,25 @@ class NixlTransport:
                 transfers = list(self._live)
                 remote_agents = list(self._remote_refs)
                 regions = list(self._regions.values())
+                prepped = [h for p in self._peers.values() for h in p.prepped.values()]
+                prepped += [r.prepped for r in regions]
                 agent = self._agent
             for t in transfers:
                 t.release()
+            for handle in prepped:  # no post is in progress any more (released above)
+                _release_prepped(agent, handle)
+            with self._lock:
+                refused, self._refused_handles = self._refused_handles, []
+            for handle in refused:  # one retry each; a handle is never released twice
+                try:
+                    agent.release_xfer_handle(handle)
+                except Exception as exc:
+                    logger.error("NIXL refused again to release a transfer handle: %s", exc)
+                    leaked = getattr(agent, "_leaked_xfer_handles", None)
+                    if isinstance(leaked, list):  # the wrapper frees these when it is destroyed
+                        leaked.append(int(getattr(handle, "_handle", 0)) or handle)
+                        if hasattr(handle, "_released"):
+                            handle._released = True  # its finaliser must not release it again
             for remote in remote_agents:
                 try:
                     agent.remove_remote_agent(remote)
@@ -1039,11 +1208,20 @@ class NixlTransport:
                 self._remote_refs.clear()
                 self._regions.clear()
                 self._agent = None
+                retired, self._retired = self._retired, []
         # Drop the binding agent now, so that a stray reference to the wrapper (a traceback
         # frame, a test local) cannot keep its progress thread alive. When a release failed
         # the wrapper keeps the handle for its own cleanup in __del__, which needs the agent.
         if not getattr(agent, "_leaked_xfer_handles", None):
             agent.agent = None
+            if retired:
+                # The agent is gone: over TCP nothing can land any more, but a same-host
+                # sender writes by CMA until it notices the disconnect (measured: ~1 ms).
+                time.sleep(_RETIRED_GRACE_S)
+        elif retired:
+            # The wrapper keeps the agent alive for its own cleanup: tie the memory to it.
+            agent.nixl_staging_retired_memory = [r.memory for r in retired]
+        del retired  # the retired regions' memory is freed here (unless tied to the agent)
 
     # ------------------------------------------------------------------ callbacks
 
@@ -1077,11 +1255,14 @@ class NixlTransport:
             else:
                 self._n_failed += 1
 
-    def _on_released(self, xfer: Transfer) -> None:
+    def _on_released(self, xfer: Transfer, *, refused: Any = None) -> None:
         with self._lock:
             if xfer in self._live:
                 self._n_released += 1
             self._forget_locked(xfer)
+            if refused is not None:
+                self._refused_handles.append(refused)
+                self._n_release_refused += 1
 
 
 # --------------------------------------------------------------------------- helpers
@@ -1109,10 +1290,124 @@ def _memory_of(name: str, mem: torch.Tensor | npt.NDArray[Any]) -> tuple[int, in
 
 
 def _check_timeout(value: float, what: str) -> None:
+    """A deadline in seconds: a number > 0, ``inf`` for none; not NaN, not a huge int."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TransportParamError(f"{what} must be a number of seconds, got {value!r}")
-    if math.isnan(value) or value <= 0:
+    try:
+        seconds = float(value)
+    except OverflowError:
+        raise TransportParamError(
+            f"{what} is too large (use float('inf') for no deadline)"
+        ) from None
+    if math.isnan(seconds) or seconds <= 0:
         raise TransportParamError(f"{what} must be > 0, got {value!r}")
+
+
+POLL_SPINS = 16
+"""Polls that only yield the GIL (``sleep(0)``) before :func:`poll_pauses` backs off."""
+POLL_PAUSE_MIN_S = 10e-6
+POLL_PAUSE_MAX_S = 1e-3
+
+
+def poll_pauses() -> Iterator[float]:
+    """Pauses between polls of one transfer: :data:`POLL_SPINS` zeros (yield the GIL and
+    poll again: a small write completes within tens of microseconds), then doubling from
+    :data:`POLL_PAUSE_MIN_S` up to :data:`POLL_PAUSE_MAX_S` (a long write is polled about
+    every millisecond: little CPU, at most ~1 ms of added latency, ~6 % of a 16 MiB write)."""
+    yield from itertools.repeat(0.0, POLL_SPINS)
+    pause = POLL_PAUSE_MIN_S
+    while True:
+        yield pause
+        pause = min(pause * 2, POLL_PAUSE_MAX_S)
+
+
+_MAX_PREPPED_PAGES = 1 << 22
+"""Regions with more pages are not prepared (descriptors built per write instead)."""
+
+
+def _prep_pages(agent: Any, agent_name: str, info: RegionInfo, what: str) -> Any:
+    """A NIXL prepared descriptor list of ``info``'s pages (one descriptor per page, in page
+    order), for ``make_prepped_xfer`` by page index; ``None`` when NIXL cannot prepare it
+    (the transport then builds descriptors per write). Never raises."""
+    if info.num_pages > _MAX_PREPPED_PAGES:
+        return None
+    rows = _descs(
+        info.base_addr,
+        info.page_bytes,
+        np.arange(info.num_pages, dtype=np.int64),
+        1,
+        info.device_id,
+    )
+    try:
+        return agent.prep_xfer_dlist(agent_name, rows, info.mem_type, ["UCX"])
+    except Exception as exc:
+        logger.warning("could not prepare descriptors of %s (%s): built per write", what, exc)
+        return None
+
+
+def _release_prepped(agent: Any, handle: Any) -> None:
+    """Release a prepared descriptor list (``None`` is fine). Never raises."""
+    if handle is None or agent is None:
+        return
+    try:
+        agent.release_dlist_handle(handle)
+    except Exception as exc:
+        logger.warning("releasing a prepared descriptor list failed: %s", exc)
+
+
+def _check_wait_arg(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        raise ValueError(f"{what} is too large (use float('inf'))") from None
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"{what} must be >= 0, got {value!r}")
+
+
+def _rows_for(
+    li: RegionInfo,
+    remote: RegionInfo,
+    src: npt.NDArray[np.int64],
+    dst: npt.NDArray[np.int64],
+    dst_step: npt.NDArray[np.int64],
+    coalesce: bool,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """Descriptor rows of one write (the unprepared path): with ``coalesce``, runs of
+    pages consecutive on both sides become one descriptor."""
+    n = int(src.shape[0])
+    runs = (src[1:] - src[:-1] != 1) | (dst_step != 1) if coalesce and n > 1 else None
+    if runs is not None and not bool(runs.any()):
+        # One run on both sides: a single descriptor each.
+        return (
+            _descs(li.base_addr, li.page_bytes, src[:1], n, li.device_id),
+            _descs(remote.base_addr, remote.page_bytes, dst[:1], n, remote.device_id),
+        )
+    if runs is not None:
+        starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(runs) + 1))
+        counts = np.append(starts[1:], n) - starts
+        return (
+            _descs(li.base_addr, li.page_bytes, src[starts], counts, li.device_id),
+            _descs(remote.base_addr, remote.page_bytes, dst[starts], counts, remote.device_id),
+        )
+    return (
+        _descs(li.base_addr, li.page_bytes, src, 1, li.device_id),
+        _descs(remote.base_addr, remote.page_bytes, dst, 1, remote.device_id),
+    )
+
+
+_SMALL_WRITE = 16
+"""Writes of at most this many pages are validated with Python lists (cheaper)."""
+
+
+def _check_range_list(values: list[int], num_pages: int, what: str, region: str) -> None:
+    lo, hi = min(values), max(values)
+    if lo < 0 or hi >= num_pages:
+        bad = lo if lo < 0 else hi
+        raise TransportParamError(
+            f"{what}: page {bad} out of range for region {region!r} ({num_pages} pages)"
+        )
 
 
 def _check_range(pages: npt.NDArray[np.int64], num_pages: int, what: str, region: str) -> None:

@@ -1,8 +1,11 @@
 """nixl-staging's staging layer: prefetch state behind one explicit lock.
 
-See ``docs/THREADING.md`` for the thread-safety contract.
+See ``docs/THREADING.md`` for the thread-safety contract and ``docs/ADOPTING.md`` for
+moving an engine's two bare sets onto it (:class:`CompatStagingContext` first, then
+:class:`StagingContext` with handles).
 """
 
+from staging.compat import CompatStagingContext, CompatStats
 from staging.context import (
     PrefetchKey,
     RoomHandle,
@@ -19,11 +22,15 @@ from staging.errors import (
     LockReentryError,
     LockTimeoutError,
     RoomAlreadyOpenError,
+    RoomNotOpenError,
+    RoomPurgedError,
     StagingError,
 )
 from staging.locks import LockLevel, LockStats, MutexLock, RWLock, StagingLock, make_lock
 
 __all__ = [
+    "CompatStagingContext",
+    "CompatStats",
     "LockError",
     "LockLevel",
     "LockNotHeldError",
@@ -37,7 +44,9 @@ __all__ = [
     "RoomAlreadyOpenError",
     "RoomHandle",
     "RoomKey",
+    "RoomNotOpenError",
     "RoomPurge",
+    "RoomPurgedError",
     "StagingContext",
     "StagingError",
     "StagingLock",

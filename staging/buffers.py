@@ -3,7 +3,8 @@
 A chunk of KV pages bound for one decode peer is *gathered* into a slot (for a decode TP
 rank, only that rank's slice of each page: ``index_select`` of the pages, ``narrow`` to the
 slice, one copy), so that the transport moves it with one bulk transfer from contiguous
-memory. The slot returns to the pool when that transfer is done or when its room is purged.
+memory. The slot returns to the pool when that transfer has ended (done, failed, timed out or
+released), never while a posted transfer may still read it, even if its room was purged.
 
 The pool's one tensor is registered with the transport once (``region``/``page_bytes``), so
 slots need no per-use registration. A slot is leased to an *owner* (a room handle, or any
@@ -20,9 +21,16 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-import torch
+try:
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+except ModuleNotFoundError as _exc:  # the core install has neither: name the extra
+    raise ModuleNotFoundError(
+        f"staging.buffers (the staging slot pool) needs torch and numpy, from the 'sender' "
+        f"extra (missing: {_exc.name}): pip install 'nixl-staging[sender]'",
+        name=_exc.name,
+    ) from None
 
 from staging.errors import StagingError
 from staging.locks import LockLevel, make_lock

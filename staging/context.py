@@ -6,10 +6,18 @@ as ``prefetch_requested`` (keys ``(room, chunk_idx, session_id)``) and ``prefetc
 (room ids) are *derived* from that per-room index and handed out only as frozen snapshots.
 
 Rooms have a lifecycle: ``open_room`` -> writes -> ``purge_room`` (closed). Each opening gets
-a new *generation*; a writer holding a :class:`RoomHandle` of an older generation, or writing
-to a room that is not open, is refused (``False`` and a counter), never raised at and never
-allowed to re-create the room. That is what keeps a late transfer worker from resurrecting a
-purged room.
+a new *generation*, unique in the process (one counter shared by every context, so a handle
+of one context can never match a room of another); a writer holding a :class:`RoomHandle`
+of an older generation, or writing to a room that is not open, is refused (``False`` and a
+counter), never raised at unless the context is ``strict``, and never allowed to re-create
+the room. That is what keeps a late transfer worker from resurrecting a purged room.
+
+The default lock is ``"mutex"``, the same as ``KVManager``'s: the rule is "under the GIL,
+take the mutex". Point reads take no lock at all, so what ``"rw"`` would let run side by
+side is only the snapshots, and its pure-Python acquisition costs about ten times a
+``threading.Lock``'s (``python -m bench lifecycle``: a room's lifecycle was 1.6-1.9x slower
+with ``"rw"``, at 1 to 8 threads). ``"rw"`` stays available for workloads that hold read
+snapshots of many rooms while other threads write.
 
 The thread-safety contract of every method is in ``docs/THREADING.md``; each docstring
 repeats it in one line.
@@ -21,7 +29,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from staging.errors import RoomAlreadyOpenError
+from staging.errors import RoomAlreadyOpenError, RoomNotOpenError, RoomPurgedError
 from staging.locks import LockLevel, LockStats, MutexLock, RWLock, make_lock
 from staging.validate import check_chunk_idx, check_index, check_room_id, check_session_id
 
@@ -32,9 +40,20 @@ RoomKey = tuple[int, str]
 """``(chunk_idx, session_id)``: a prefetch key within one room."""
 
 
+# Generations of every context in the process. next() on an itertools.count is one C call:
+# atomic under the GIL, and made thread-safe for free-threaded CPython (gh-117657, 3.13).
+_GENERATIONS = itertools.count(1)
+
+
+def next_generation() -> int:
+    """A generation number never handed out before in this process. Thread-safe; no lock."""
+    return next(_GENERATIONS)
+
+
 @dataclass(frozen=True, slots=True)
 class RoomHandle:
-    """One opening of a room: ``(room, generation)``. Generations are unique per context.
+    """One opening of a room: ``(room, generation)``. Generations are unique in the process,
+    so a handle never matches a room of another context or a later opening of the same id.
 
     Raises:
         TypeError, ValueError: ``room`` or ``generation`` is not an ``int`` >= 0.
@@ -44,8 +63,9 @@ class RoomHandle:
     generation: int
 
     def __post_init__(self) -> None:
-        check_room_id(self.room)
-        check_index(self.generation, "generation")
+        # Normalised to exact ints: a handle is hashed and compared under locks.
+        object.__setattr__(self, "room", check_room_id(self.room))
+        object.__setattr__(self, "generation", check_index(self.generation, "generation"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,23 +118,43 @@ class StagingContext:
     """Staging prefetch state of one sender, safe to share between threads.
 
     Args:
-        lock: ``"rw"`` (``readerwriterlock.RWLockFair``; readers share) or ``"mutex"``
-            (``threading.Lock`` for both modes).
+        lock: ``"mutex"`` (default; ``threading.Lock`` for both modes) or ``"rw"``
+            (``readerwriterlock.RWLockFair``; readers share). Rule: under the GIL take the
+            mutex, as ``KVManager`` does; it was 1.6-1.9x faster for a room's lifecycle
+            (``python -m bench lifecycle``) because the hot reads are lock-free anyway.
         lock_timeout: seconds to wait for the lock before raising
-            :class:`~staging.errors.LockTimeoutError`; ``None`` waits forever.
+            :class:`~staging.errors.LockTimeoutError`; ``None`` or ``float("inf")`` waits
+            forever. Purges ignore it (they never time out).
         debug: lock debug mode (re-entry and order checks); ``None`` reads env
-            ``NIXL_STAGING_DEBUG_LOCKS``.
+            ``NIXL_STAGING_DEBUG_LOCKS``. Only ``True``, ``False`` or ``None``.
+        strict: ``True`` makes a refused write raise instead of returning ``False``:
+            :class:`~staging.errors.RoomNotOpenError` for a room id that is not open,
+            :class:`~staging.errors.RoomPurgedError` for a stale handle. Duplicates still
+            return ``False``.
 
     Raises:
-        ValueError: unknown ``lock`` kind or ``lock_timeout`` not > 0.
+        ValueError: unknown ``lock`` kind; ``lock_timeout`` NaN, <= 0, or finite above
+            ``threading.TIMEOUT_MAX``.
+        TypeError: ``lock_timeout`` not ``None`` or a real number (``bool``, ``str``);
+            ``debug`` not ``None`` or a ``bool``; ``strict`` not a ``bool``.
     """
 
     def __init__(
-        self, *, lock: str = "rw", lock_timeout: float | None = None, debug: bool | None = None
+        self,
+        *,
+        lock: str = "mutex",
+        lock_timeout: float | None = None,
+        debug: bool | None = None,
+        strict: bool = False,
     ) -> None:
+        if debug is not None and not isinstance(debug, bool):
+            raise TypeError(f"debug must be True, False or None, got {debug!r}")
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, got {strict!r}")
         self._lock = make_lock(
             lock, "staging", LockLevel.STAGING, timeout=lock_timeout, debug=debug
         )
+        self._strict = strict
         # --- Everything below is guarded by _lock: read under read(), mutate under write(). ---
         # Open rooms by id. A room id is in _rooms iff it is open; its _Room.requests holds
         # its prefetch keys. Invariant: _session_rooms[s][room] == number of keys of `room`
@@ -128,9 +168,6 @@ class StagingContext:
         self._purges = 0
         self._session_purges = 0
         self._refused = 0
-        # Generations come from a process-unique counter; next() on itertools.count is atomic
-        # under the GIL, but we call it under the write lock anyway.
-        self._generations = itertools.count(1)
 
     # ------------------------------------------------------------------ properties
 
@@ -138,6 +175,11 @@ class StagingContext:
     def lock_kind(self) -> str:
         """``"rw"`` or ``"mutex"``."""
         return self._lock.kind
+
+    @property
+    def strict(self) -> bool:
+        """Whether refused writes raise (see the class docstring). Thread-safe."""
+        return self._strict
 
     @property
     def lock(self) -> RWLock | MutexLock:
@@ -153,11 +195,11 @@ class StagingContext:
             RoomAlreadyOpenError: ``room`` is open (purge it first).
             TypeError, ValueError: ``room`` is not an ``int`` >= 0 (``bool`` is refused).
         """
-        check_room_id(room)
+        room = check_room_id(room)
         with self._lock.write():
             if room in self._rooms:
                 raise RoomAlreadyOpenError(room)
-            generation = next(self._generations)
+            generation = next_generation()
             self._rooms[room] = _Room(generation)
             self._rooms_opened += 1
         return RoomHandle(room, generation)
@@ -170,35 +212,31 @@ class StagingContext:
         the purged generation before this returns is in the result; nothing is recorded for
         it afterwards. Cost is O(keys of that room). Thread-safe; write lock; atomic.
 
+        A purge never times out: it waits for the lock as long as it takes, whatever
+        ``lock_timeout`` is (a purge that could fail half-way would leak the room; callers
+        such as ``KVManager.purge_room`` rely on it being all-or-nothing).
+
         Raises:
             TypeError, ValueError: bad ``room``.
         """
         room_id, generation = self._ref(room)
-        with self._lock.write():
-            state = self._rooms.get(room_id)
-            if state is None or (generation is not None and state.generation != generation):
-                return RoomPurge(room_id, False, False, frozenset())
-            del self._rooms[room_id]
-            for _, session in state.requests:
-                self._drop_session_ref(session, room_id)
-            self._requested_keys -= len(state.requests)
-            if state.prefetched:
-                self._prefetched_count -= 1
-            self._purges += 1
-            requests = frozenset(state.requests)
-        return RoomPurge(room_id, True, state.prefetched, requests, state.generation)
+        with self._lock.write_untimed():
+            return self._purge_locked(room_id, generation)
 
     def purge_session(self, session_id: str) -> frozenset[int]:
         """A decode peer died: drop its keys from every room; return the rooms that had any.
 
-        The rooms stay open (the sender fails them). Cost is O(keys of that session).
-        Thread-safe; write lock; atomic.
+        The rooms stay open (the sender fails them). Cost is O(keys of the rooms that have
+        keys of that session): the reverse index finds those rooms, and each of their keys is
+        looked at once (a room has as many sessions as decode TP ranks, so this is close to
+        O(keys of that session)). Thread-safe; write lock; atomic; like
+        :meth:`purge_room` it never times out (ignores ``lock_timeout``).
 
         Raises:
             TypeError, ValueError: ``session_id`` is not a non-empty ``str``.
         """
-        check_session_id(session_id)
-        with self._lock.write():
+        session_id = check_session_id(session_id)
+        with self._lock.write_untimed():
             by_room = self._session_rooms.pop(session_id, None)
             if not by_room:
                 return frozenset()
@@ -217,15 +255,16 @@ class StagingContext:
 
         ``True`` only if the key was newly recorded for the room's open generation.
         ``False`` for a duplicate; ``False`` and a refused-late-write count if the room is not
-        open or ``room`` is a stale handle (late writers are normal: never raises for them).
-        Thread-safe; write lock; atomic.
+        open or ``room`` is a stale handle (late writers are normal: never raises for them,
+        unless the context is ``strict``). Thread-safe; write lock; atomic.
 
         Raises:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
+            RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
         room_id, generation = self._ref(room)
-        check_chunk_idx(chunk_idx)
-        check_session_id(session_id)
+        chunk_idx = check_chunk_idx(chunk_idx)
+        session_id = check_session_id(session_id)
         key = (chunk_idx, session_id)
         with self._lock.write():
             state = self._live(room_id, generation)
@@ -247,12 +286,11 @@ class StagingContext:
         Raises:
             TypeError, ValueError: bad ``room``, any bad chunk index or bad ``session_id``
                 (checked before any state changes).
+            RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
         room_id, generation = self._ref(room)
-        chunks = tuple(chunk_idxs)
-        for chunk_idx in chunks:
-            check_chunk_idx(chunk_idx)
-        check_session_id(session_id)
+        chunks = tuple(check_chunk_idx(chunk_idx) for chunk_idx in chunk_idxs)
+        session_id = check_session_id(session_id)
         added: list[int] = []
         with self._lock.write():
             state = self._live(room_id, generation)
@@ -275,10 +313,11 @@ class StagingContext:
 
         Raises:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
+            RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
         room_id, generation = self._ref(room)
-        check_chunk_idx(chunk_idx)
-        check_session_id(session_id)
+        chunk_idx = check_chunk_idx(chunk_idx)
+        session_id = check_session_id(session_id)
         key = (chunk_idx, session_id)
         with self._lock.write():
             state = self._live(room_id, generation)
@@ -297,6 +336,7 @@ class StagingContext:
 
         Raises:
             TypeError, ValueError: bad ``room``.
+            RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
         room_id, generation = self._ref(room)
         with self._lock.write():
@@ -352,8 +392,8 @@ class StagingContext:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
         """
         room_id, generation = self._ref(room)
-        check_chunk_idx(chunk_idx)
-        check_session_id(session_id)
+        chunk_idx = check_chunk_idx(chunk_idx)
+        session_id = check_session_id(session_id)
         state = self._rooms.get(room_id)
         return (
             state is not None
@@ -361,16 +401,19 @@ class StagingContext:
             and (chunk_idx, session_id) in state.requests
         )
 
-    def handle(self, room: int) -> RoomHandle | None:
+    def handle(self, room: RoomRef) -> RoomHandle | None:
         """The handle of the open ``room``, or ``None``. Thread-safe; read lock.
+
+        Like every other method it takes a room id or a :class:`RoomHandle`; for a handle it
+        answers that handle if its generation is the one open now, else ``None``.
 
         Raises:
             TypeError, ValueError: bad ``room``.
         """
-        check_room_id(room)
+        room_id, generation = self._ref(room)
         with self._lock.read():
-            state = self._rooms.get(room)
-            return None if state is None else RoomHandle(room, state.generation)
+            state = self._live_quiet(room_id, generation)
+            return None if state is None else RoomHandle(room_id, state.generation)
 
     def room_requests(self, room: RoomRef) -> frozenset[RoomKey]:
         """The ``(chunk_idx, session_id)`` keys of the open room (empty if closed).
@@ -457,11 +500,47 @@ class StagingContext:
         return state
 
     def _live(self, room_id: int, generation: int | None) -> _Room | None:
-        """Like :meth:`_live_quiet`, counting a refused late write. Caller holds the write lock."""
+        """Like :meth:`_live_quiet`, counting a refused late write (and raising it in strict
+        mode). Caller holds the write lock."""
         state = self._live_quiet(room_id, generation)
         if state is None:
-            self._refused += 1
+            self._refuse(room_id, generation)
         return state
+
+    def _refuse(self, room_id: int, generation: int | None, detail: str = "") -> None:
+        """Count a refused write; in strict mode raise it. Caller holds the write lock.
+
+        Raises:
+            RoomNotOpenError: strict, and a room id (no handle) that is not open.
+            RoomPurgedError: strict, and a stale handle (or ``detail`` says why it is known
+                to be purged).
+        """
+        self._refused += 1
+        if not self._strict:
+            return
+        if generation is None and not detail:
+            raise RoomNotOpenError(room_id)
+        raise RoomPurgedError(
+            room_id,
+            generation,
+            detail or " (that opening was purged, or the handle is of another context)",
+        )
+
+    def _purge_locked(self, room_id: int, generation: int | None) -> RoomPurge:
+        """The body of :meth:`purge_room`. Caller holds the write lock."""
+        state = self._rooms.get(room_id)
+        if state is None or (generation is not None and state.generation != generation):
+            return RoomPurge(room_id, False, False, frozenset())
+        del self._rooms[room_id]
+        for _, session in state.requests:
+            self._drop_session_ref(session, room_id)
+        self._requested_keys -= len(state.requests)
+        if state.prefetched:
+            self._prefetched_count -= 1
+        self._purges += 1
+        return RoomPurge(
+            room_id, True, state.prefetched, frozenset(state.requests), state.generation
+        )
 
     def _add_session_ref(self, session_id: str, room_id: int, keys: int = 1) -> None:
         by_room = self._session_rooms.setdefault(session_id, {})

@@ -69,3 +69,26 @@ class LockOrderError(LockError):
 
 class LockNotHeldError(LockError):
     """``assert_held`` found that the calling thread does not hold the lock as required."""
+
+
+class RoomNotOpenError(StagingError):
+    """Strict mode: a write named a room that is not open.
+
+    Outside strict mode the same write is *refused* (it returns ``False``/empty and counts
+    in ``stats().refused_late_writes``); ``strict=True`` turns that silent answer into this
+    exception, so a write to a room that was never opened cannot pass for a duplicate.
+    """
+
+    def __init__(self, room: int, generation: int | None = None, detail: str = "") -> None:
+        what = f"room {room}" if generation is None else f"room {room} (generation {generation})"
+        super().__init__(
+            f"{what} is not open{detail or ' (never opened, or already purged)'}: "
+            "the write was refused (strict mode)"
+        )
+        self.room = room
+        self.generation = generation
+
+
+class RoomPurgedError(RoomNotOpenError):
+    """Strict mode: a late write to a room known to be purged (a stale ``RoomHandle``, or,
+    in :class:`~staging.compat.CompatStagingContext`, a room id among the recent purges)."""

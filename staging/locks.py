@@ -27,6 +27,8 @@ the inverted order happens, whether or not it would have deadlocked this time.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import threading
 from dataclasses import dataclass
@@ -47,12 +49,16 @@ DEBUG_ENV = "NIXL_STAGING_DEBUG_LOCKS"
 class LockLevel(IntEnum):
     """The lock hierarchy, outermost first. A thread takes locks in increasing level.
 
-    ``ROOM`` (the sender's manager lock) is taken before ``STAGING`` (a
+    ``ROOM_GATE`` (a sender room's post gate: held by a worker across the check-and-post of
+    one chunk, and by that room's purge) is taken before ``ROOM`` (the sender's manager
+    lock), which is taken before ``STAGING`` (a
     :class:`~staging.context.StagingContext`), which is taken before ``POOL`` (the staging
-    slot pool), before ``FAILURE`` (the failure-record lock), before ``TRANSFER`` (one
-    transport transfer handle).
+    slot pool), before ``FAILURE`` (the failure-record lock). ``TRANSFER`` is reserved and no
+    lock of the model uses it: the transport's per-transfer locks are plain
+    ``threading.Lock`` objects outside the model, always innermost (docs/THREADING.md).
     """
 
+    ROOM_GATE = 5
     ROOM = 10
     STAGING = 20
     POOL = 30
@@ -63,6 +69,41 @@ class LockLevel(IntEnum):
 def debug_from_env() -> bool:
     """``True`` when env ``NIXL_STAGING_DEBUG_LOCKS`` is ``1``/``true``/``yes``."""
     return os.environ.get(DEBUG_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def check_lock_timeout(timeout: object, what: str = "lock timeout") -> float | None:
+    """Validate a lock timeout in seconds; return it as a ``float``, or ``None`` (no limit).
+
+    ``None`` and ``float("inf")`` both mean "wait as long as it takes" (``inf`` is returned
+    as ``None``). A finite timeout must be > 0 and at most ``threading.TIMEOUT_MAX`` (about
+    292 years): a larger one cannot be passed to ``Lock.acquire`` and would make every later
+    acquisition raise ``OverflowError``.
+
+    Raises:
+        TypeError: not ``None`` and not a real number, or a ``bool``.
+        ValueError: NaN, <= 0, or finite and above ``threading.TIMEOUT_MAX``.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            f"{what} must be None or a number of seconds, got {type(timeout).__name__} {timeout!r}"
+        )
+    too_large = ValueError(
+        f"{what} must be at most threading.TIMEOUT_MAX ({threading.TIMEOUT_MAX:g} s), or "
+        f"None/inf for no limit, got {timeout!r}"
+    )
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int (or Fraction) beyond any float
+        raise too_large from None
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"{what} must be None or > 0 seconds, got {timeout!r}")
+    if seconds == math.inf:
+        return None
+    if seconds > threading.TIMEOUT_MAX:
+        raise too_large
+    return seconds
 
 
 def _new_thread_lock() -> threading.Lock:
@@ -149,15 +190,18 @@ class _Guard:
     wraps: an RWLock makes one per use (around a fresh generated lock object), a MutexLock
     reuses one per mode."""
 
-    __slots__ = ("_inner", "_lock", "_mode")
+    __slots__ = ("_inner", "_lock", "_mode", "_untimed")
 
-    def __init__(self, lock: _LockBase, inner: _Acquirable, mode: LockMode) -> None:
+    def __init__(
+        self, lock: _LockBase, inner: _Acquirable, mode: LockMode, *, untimed: bool = False
+    ) -> None:
         self._lock = lock
         self._inner = inner
         self._mode: LockMode = mode
+        self._untimed = untimed
 
     def __enter__(self) -> None:
-        self._lock._acquire(self._inner, self._mode)
+        self._lock._acquire(self._inner, self._mode, untimed=self._untimed)
 
     def __exit__(
         self,
@@ -181,8 +225,7 @@ class _LockBase:
             raise ValueError("lock name must be a non-empty str")
         if isinstance(level, bool) or not isinstance(level, int):
             raise TypeError(f"lock level must be an int, got {type(level).__name__}")
-        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-            raise ValueError(f"lock timeout must be None or > 0, got {timeout!r}")
+        timeout = check_lock_timeout(timeout)
         self._name = name
         self._level = int(level)
         self._timeout = timeout
@@ -222,20 +265,21 @@ class _LockBase:
 
     # -- acquisition -------------------------------------------------------------------
 
-    def _acquire(self, inner: _Acquirable, mode: LockMode) -> None:
+    def _acquire(self, inner: _Acquirable, mode: LockMode, *, untimed: bool = False) -> None:
         if self._debug:
             self._check_order(mode)
+        timeout_arg = -1.0 if untimed else self._timeout_arg
         # Contention is counted where a try-acquire is cheap (a threading.Lock, or any lock
         # in debug mode). readerwriterlock's non-blocking acquire costs more than the
         # blocking one (deadline arithmetic), so a non-debug RWLock goes straight to it.
         if self._count_contention and not inner.acquire(False):
             with self._stats_lock:
                 self._contended += 1
-            acquired = inner.acquire(True, self._timeout_arg)
+            acquired = inner.acquire(True, timeout_arg)
         elif self._count_contention:
             acquired = True
         else:
-            acquired = inner.acquire(True, self._timeout_arg)
+            acquired = inner.acquire(True, timeout_arg)
         if not acquired:
             with self._stats_lock:
                 self._timeouts += 1
@@ -341,6 +385,11 @@ class RWLock(_LockBase):
         """Hold exclusively. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
         return _Guard(self, self._rw.gen_wlock(), "write")
 
+    def write_untimed(self) -> _Guard:
+        """Hold exclusively, ignoring ``timeout`` (waits as long as it takes).
+        Raises: LockReentryError, LockOrderError (debug mode)."""
+        return _Guard(self, self._rw.gen_wlock(), "write", untimed=True)
+
 
 class MutexLock(_LockBase):
     """One ``threading.Lock`` serving both modes (readers exclude each other).
@@ -360,6 +409,7 @@ class MutexLock(_LockBase):
         # and every thread (unlike readerwriterlock's generated lock objects).
         self._read_guard = _Guard(self, self._mutex, "read")
         self._write_guard = _Guard(self, self._mutex, "write")
+        self._untimed_guard = _Guard(self, self._mutex, "write", untimed=True)
 
     def _held_by_anyone(self) -> bool:
         return self._mutex.locked()
@@ -371,6 +421,11 @@ class MutexLock(_LockBase):
     def write(self) -> _Guard:
         """Hold exclusively. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
         return self._write_guard
+
+    def write_untimed(self) -> _Guard:
+        """Hold exclusively, ignoring ``timeout`` (waits as long as it takes).
+        Raises: LockReentryError, LockOrderError (debug mode)."""
+        return self._untimed_guard
 
 
 LOCK_KINDS: tuple[LockKind, ...] = ("rw", "mutex")
@@ -386,9 +441,13 @@ def make_lock(
 ) -> RWLock | MutexLock:
     """Build a lock of ``kind`` (``"rw"`` or ``"mutex"``).
 
+    ``timeout``: see :func:`check_lock_timeout` (``None`` or ``inf``: no limit).
+
     Raises:
-        ValueError: unknown ``kind``, empty ``name`` or a ``timeout`` that is not > 0.
-        TypeError: ``level`` is not an int.
+        ValueError: unknown ``kind``, empty ``name``, or a ``timeout`` that is NaN, <= 0 or
+            finite above ``threading.TIMEOUT_MAX``.
+        TypeError: ``level`` is not an int, or ``timeout`` is not ``None`` or a real number
+            (``bool`` and ``str`` are refused).
     """
     if kind == "rw":
         return RWLock(name, level, timeout=timeout, debug=debug)

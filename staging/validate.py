@@ -9,7 +9,10 @@ from __future__ import annotations
 
 
 def check_index(value: object, what: str) -> int:
-    """Return ``value`` if it is an ``int`` >= 0 and not a ``bool``.
+    """Return ``value`` as an exact ``int`` if it is an ``int`` >= 0 and not a ``bool``.
+
+    An ``int`` subclass is normalised to a plain ``int`` (its ``__hash__``/``__eq__``, which
+    may be user code, must never run under a lock of the model: callers store the result).
 
     Raises:
         TypeError: not an ``int``, or a ``bool``.
@@ -19,9 +22,10 @@ def check_index(value: object, what: str) -> int:
         return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int >= 0, got {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
-    return value
+    plain = int.__index__(value)  # int's own slot: an exact int, no user code
+    if plain < 0:
+        raise ValueError(f"{what} must be >= 0, got {plain}")
+    return plain
 
 
 def check_room_id(room: object) -> int:
@@ -35,11 +39,12 @@ def check_chunk_idx(chunk_idx: object) -> int:
 
 
 def check_session_id(session_id: object) -> str:
-    """A session id (decode peer): non-empty ``str``. Raises: TypeError, ValueError."""
+    """A session id (decode peer): non-empty ``str``, returned as an exact ``str`` (a
+    subclass is normalised, as in :func:`check_index`). Raises: TypeError, ValueError."""
     if type(session_id) is str and session_id:
         return session_id
     if not isinstance(session_id, str):
         raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
     if not session_id:
         raise ValueError("session_id must be a non-empty str")
-    return session_id
+    return str.__str__(session_id)

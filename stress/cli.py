@@ -21,8 +21,10 @@ from stress.framework import (
     ScenarioResult,
     StressConfig,
     find_scenario,
+    missing_extra,
     registered,
     run_scenario,
+    skipped_scenarios,
 )
 from stress.report import invariant_table, summary_table, write_json
 
@@ -76,6 +78,8 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
     epilog = None
     if list_scenarios:
         lines = [f"  {name:18s} {s.description}" for name, s in registered().items()]
+        skipped = skipped_scenarios().items()
+        lines += [f"  {name:18s} (not available: {why})" for name, why in skipped]
         epilog = "scenarios:\n" + "\n".join(lines)
     parser = argparse.ArgumentParser(
         prog="python -m stress",
@@ -121,12 +125,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chosen: dict[str, Scenario] = {}
     for name in dict.fromkeys(args.scenarios):  # only the named ones get imported
-        found = find_scenario(name)
+        try:
+            found = find_scenario(name)
+        except ModuleNotFoundError as exc:
+            reason = missing_extra(exc)
+            if reason is None:
+                raise
+            parser.exit(2, f"{parser.prog}: error: scenario {name!r} {reason}\n")
         if found is None:
             parser.error(f"unknown scenario {name!r}; choose from {sorted(registered())}")
         chosen[name] = found
+    skipped: dict[str, str] = {}
     if not chosen:
-        chosen = registered()
+        chosen, skipped = registered(), skipped_scenarios()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     config = StressConfig(
         threads=args.threads,
@@ -144,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plant_bug=args.plant_bug,
     )
     print(f"seed: {seed}", flush=True)
+    for name, why in skipped.items():
+        print(f"note: skipping scenario {name!r}: it {why}", flush=True)
     progress = {"auto": None, "on": True, "off": False}[args.progress]
     results: list[ScenarioResult] = []
     for name, scenario in chosen.items():

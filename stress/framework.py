@@ -159,16 +159,47 @@ def register(scenario: Scenario) -> Scenario:
     return scenario
 
 
+SENDER_EXTRA_MODULES = frozenset({"torch", "numpy", "nixl"})
+"""Top-level modules that only the ``sender`` extra installs (``nixl-staging[sender]``)."""
+
+_SKIPPED: dict[str, str] = {}
+
+
+def missing_extra(exc: BaseException) -> str | None:
+    """One line naming the ``sender`` extra if ``exc`` is the import of a module only that
+    extra installs (a sender scenario in a core-only install), else ``None``."""
+    name = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    if name is None or name.partition(".")[0] not in SENDER_EXTRA_MODULES:
+        return None
+    return f"needs the 'sender' extra (no module {name!r}): pip install 'nixl-staging[sender]'"
+
+
 def load_scenarios() -> None:
-    """Import every module of :mod:`stress.scenarios` (each registers itself). Idempotent."""
+    """Import every module of :mod:`stress.scenarios` (each registers itself). Idempotent.
+
+    A module that needs the ``sender`` extra where it is not installed is skipped and listed
+    by :func:`skipped_scenarios`; any other import error propagates.
+    """
     global _LOADED
     if _LOADED:
         return
     package = importlib.import_module("stress.scenarios")
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
         if not info.name.startswith("_"):
-            importlib.import_module(f"stress.scenarios.{info.name}")
+            try:
+                importlib.import_module(f"stress.scenarios.{info.name}")
+            except ModuleNotFoundError as exc:
+                reason = missing_extra(exc)
+                if reason is None:
+                    raise
+                _SKIPPED[info.name.replace("_", "-")] = reason
     _LOADED = True
+
+
+def skipped_scenarios() -> dict[str, str]:
+    """Scenarios not loaded because an extra is missing: name -> one-line reason (loads first)."""
+    load_scenarios()
+    return dict(_SKIPPED)
 
 
 def find_scenario(name: str) -> Scenario | None:
@@ -177,6 +208,10 @@ def find_scenario(name: str) -> Scenario | None:
     Tries the module named after it first (``staging-race`` -> ``stress.scenarios.staging_race``)
     so that running one scenario does not import every other scenario's dependencies; falls
     back to loading them all.
+
+    Raises:
+        ModuleNotFoundError: the scenario's module needs a module that is not installed (for
+            the ``sender`` extra, :func:`missing_extra` gives the one-line reason).
     """
     if name in _REGISTRY:
         return _REGISTRY[name]

@@ -33,6 +33,24 @@ LOCK_ORDER = "lock-order"
 LINEARIZABLE = "linearizable"
 """Recorded per-room histories are linearizable against the sequential model."""
 
+DECODE_PAGE_AUDIT = "decode-page-audit"
+"""At the end (after every transfer drained), every decode page holds the bytes of the last
+room verified on it, or of a room given that page after it (which may have failed part-way);
+the bytes of an earlier room landing on a page a later room was verified on (a cross-room
+overwrite) are a violation. Pages never verified are not judged."""
+
+FAILURE_CONTRACT = "failure-contract"
+"""``failure_exception()`` raised the room's stored exception object, a ``KVTransferError`` or
+a transport error, nothing else; a room refused for too few destination pages failed cleanly
+(never succeeded, never got as far as a transfer)."""
+
+DECODE_TOLD = "decode-told"
+"""Every room that failed or was cleared before ``Success`` on the prefill side is known as
+failed (with the same outcome) at each of its decode peers by the end of the phase, through a
+room notice (``sender.notices``), unless that peer had a fault (killed, stopped, restarted,
+removed from the transport, cut off) while the room lived or shortly after its purge; and no
+room that succeeded is told failed. Latencies (purge -> learnt) are reported."""
+
 DESCRIPTIONS: dict[str, str] = {
     NO_ESCAPED_EXCEPTION: "no exception escaped a worker thread",
     NO_RESURRECTION: "no stale/closed-room write accepted; purges return one generation",
@@ -42,6 +60,11 @@ DESCRIPTIONS: dict[str, str] = {
     NO_THREAD_LEFT: "all worker threads joined and dead at exit",
     LOCK_ORDER: "no LockOrderError / LockReentryError",
     LINEARIZABLE: "recorded histories are linearizable",
+    DECODE_PAGE_AUDIT: "every decode page holds the last verified room's bytes (or a later room's)",
+    FAILURE_CONTRACT: "failure_exception raised only the stored error, a KVTransferError or a "
+    "transport error",
+    DECODE_TOLD: "every room failed/cleared before Success is known as failed at its live decode "
+    "peer; no Success room told failed",
 }
 """One-line description per invariant name, used by the report."""
 

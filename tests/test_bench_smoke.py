@@ -106,11 +106,13 @@ def test_interleave_rotates_and_collects() -> None:
     assert median_ratio([], []) is None
 
 
-def test_registry_has_all_five() -> None:
+def test_registry_lists_every_benchmark() -> None:
     assert [spec.name for spec in BENCHMARKS] == [
         "purge-scaling",
         "lifecycle",
+        "compat",
         *NIXL_BENCHES,
+        "two-hosts",
     ]
     for spec in BENCHMARKS:
         assert callable(spec.load())
@@ -167,13 +169,25 @@ def test_transfer_share_tiny() -> None:
 @pytest.mark.nixl
 @requires_nixl
 def test_throughput_tiny() -> None:
-    result = throughput.measure(throughput.Preset(rounds=1, big_ops=1, small_ops=1, warmup=0))
+    preset = throughput.Preset(rounds=1, big_ops=1, small_ops=1, warmup=1, tiny_ops=1)
+    result = throughput.measure(preset)
     _check_structure(result)
-    assert [row["case"] for row in result.rows] == [c.name for c in throughput.make_cases()]
-    assert all(isinstance(row["ours"], float) for row in result.rows)
+    cases = throughput.make_cases()
+    assert throughput.TINY_CASE in {c.name for c in cases}
+    units = (throughput.GBPS, throughput.CPU_UNIT)
+    assert [(row["case"], row["unit"]) for row in result.rows] == [
+        (c.name, unit) for c in cases for unit in units
+    ]
+    anchors = ("ours", throughput.PREPPED, "re-posted", "prepped plain", "ours/prepped")
+    assert all(isinstance(row[col], float) for row in result.rows for col in anchors)
     staged = [row["case"] for row in result.rows if row["staged"] is not None]
-    assert staged == [c.name for c in throughput.make_cases() if c.staged]
+    assert staged == [c.name for c in cases if c.staged for _ in units]
+    cpu_ways = ("ours", throughput.PREPPED, throughput.REPOSTED, throughput.PREPPED_PLAIN)
+    for case in cases:  # one CPU sample per round for ours and every raw cell
+        for way in (*cpu_ways, throughput.RAW, throughput.RAW_TX):
+            assert len(result.samples[f"{case.name} | {way} CPU ms/GB"]) == preset.rounds
     assert "torch copy_" in result.goals[0].text
+    assert [g.met is not None for g in result.goals] == [True] * 4  # every goal case measured
 
 
 @pytest.mark.nixl

@@ -292,6 +292,9 @@ class _NoLock:
     def write(self) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
+    def write_untimed(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
     def stats(self) -> None:
         return None
 

@@ -338,12 +338,15 @@ def test_worker_finishing_after_clear_leaves_nothing(rig: Rig) -> None:
         while mgr.stats().transfers_inflight == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
         assert mgr.stats().transfers_inflight == 1
+        purge = mgr.purge_room(s.handle)
         s.clear()
+        # Posted writes cannot be cancelled: the chunk drains, its slot stays leased.
+        assert purge.was_open and purge.draining == 1 and purge.slots_released == 0
+        assert mgr.draining(s.handle) == 1 and "draining" in mgr.footprint(9)
+        assert rig.pool.stats().in_use == 1
         gate.set()
-        deadline = time.monotonic() + 5
-        while mgr.stats().chunks_skipped + mgr.stats().chunks_done == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        assert mgr.wait_drained(s.handle, 5)
+        assert mgr.stats().chunks_drained == 1
         _assert_no_trace(mgr, 9)
         assert rig.pool.stats().in_use == 0
         assert rig.tx.stats().live_transfers == 0

@@ -278,3 +278,45 @@ def test_bad_constructor_arguments() -> None:
         StagingContext(lock_timeout=0)
     with pytest.raises(ValueError, match="timeout"):
         StagingContext(lock_timeout=-1.0)
+
+
+def test_point_reads_answer_the_current_state_after_every_write(ctx: StagingContext) -> None:
+    """``is_open``/``is_prefetched``/``is_requested`` agree with the locked views after each
+    kind of write, also when the same question was asked before the write (an answer
+    remembered from an earlier read fails this)."""
+    keys = [(0, "d0"), (1, "d0"), (0, "d1")]
+
+    def agree(handle: RoomHandle) -> None:
+        current = ctx.handle(handle.room) == handle
+        requested = ctx.room_requests(handle)
+        assert ctx.is_open(handle) is current
+        assert ctx.is_prefetched(handle) is (current and handle.room in ctx.prefetched_rooms)
+        for chunk, session in keys:
+            assert ctx.is_requested(handle, chunk, session) is ((chunk, session) in requested)
+            if current:
+                assert ctx.is_requested(handle.room, chunk, session) is (
+                    (chunk, session) in requested
+                )
+
+    h = ctx.open_room(4)
+    agree(h)
+    ctx.request_prefetch(h, 0, "d0")
+    agree(h)
+    ctx.request_prefetches(h, [1], "d0")
+    agree(h)
+    ctx.request_prefetch(4, 0, "d1")
+    agree(h)
+    ctx.cancel_prefetch(h, 1, "d0")
+    agree(h)
+    ctx.mark_prefetched(h)
+    agree(h)
+    ctx.purge_session("d1")
+    agree(h)
+    assert ctx.room_requests(h) == {(0, "d0")}
+    ctx.purge_room(h)
+    agree(h)
+    fresh = ctx.open_room(4)
+    ctx.request_prefetch(fresh, 1, "d0")
+    agree(fresh)
+    agree(h)  # the stale handle reads closed and sees none of the new opening's keys
+    assert not ctx.is_requested(h, 1, "d0") and ctx.is_requested(fresh, 1, "d0")

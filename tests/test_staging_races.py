@@ -2,7 +2,8 @@
 
 Each test prints its seed; rerun one with ``STAGING_RACE_SEED=<seed>``. The planted-bug test
 runs the same workload against the unlocked upstream pattern and must see it fail, so these
-tests can fail.
+tests can fail. A thread that raises sets the run's stop flag, so the others wind down and the
+exception is reported at once (not as "a thread did not finish" when the join times out).
 """
 
 from __future__ import annotations
@@ -25,14 +26,21 @@ ROOMS = 16
 SESSIONS = ("d0", "d1", "d2")
 
 
-def _seed() -> int:
+def seed_from_env() -> int:
+    """``STAGING_RACE_SEED`` if set, else a random seed; printed so that a failure replays."""
     seed = int(os.environ.get("STAGING_RACE_SEED", random.randrange(2**32)))
     print(f"STAGING_RACE_SEED={seed}")
     return seed
 
 
-def _run_threads(targets: list[Callable[[], None]]) -> list[BaseException]:
-    """Start all targets behind a Barrier, join with a bound, return what they raised."""
+def run_threads(
+    targets: list[Callable[[], None]], stop: threading.Event | None = None
+) -> list[BaseException]:
+    """Start all targets behind a Barrier, join with a bound, return what they raised.
+
+    A target that raises sets ``stop`` (the flag the other targets loop on), so the run winds
+    down at once and the exception is what the test reports.
+    """
     barrier = threading.Barrier(len(targets), timeout=JOIN_S)
     errors: list[BaseException] = []
 
@@ -43,22 +51,47 @@ def _run_threads(targets: list[Callable[[], None]]) -> list[BaseException]:
                 fn()
             except BaseException as exc:  # collected and asserted by the test
                 errors.append(exc)
+                if stop is not None:
+                    stop.set()
+                barrier.abort()  # a target still at the start must not wait for this one
 
         return run
 
     threads = [threading.Thread(target=wrap(fn), daemon=True) for fn in targets]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + JOIN_S
     for t in threads:
-        t.join(JOIN_S)
-    assert not [t for t in threads if t.is_alive()], "a thread did not finish"
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    assert not alive, f"threads did not finish within {JOIN_S} s: {alive}; raised: {errors!r}"
     return errors
+
+
+def test_a_raising_thread_stops_the_run_at_once() -> None:
+    """The harness itself: one thread raises while the others loop until the stop flag is
+    set. The run must end at once with that exception (before this fix it hung until the
+    join timed out and reported only "a thread did not finish")."""
+    stop = threading.Event()
+
+    def looper() -> None:
+        while not stop.is_set():
+            time.sleep(0.001)
+
+    def raiser() -> None:
+        time.sleep(0.01)
+        raise KeyError("planted")
+
+    started = time.monotonic()
+    errors = run_threads([looper, looper, raiser], stop)
+    assert time.monotonic() - started < JOIN_S / 2
+    assert [type(e) for e in errors] == [KeyError]
 
 
 @pytest.mark.parametrize("lock", LOCK_KINDS)
 def test_workers_and_purger_on_same_rooms(lock: str) -> None:
     """(a) request/cancel/mark from 4 workers while a purger purges and reopens the rooms."""
-    seed = _seed()
+    seed = seed_from_env()
     ctx = StagingContext(lock=lock)
     for room in range(ROOMS):
         ctx.open_room(room)
@@ -90,7 +123,7 @@ def test_workers_and_purger_on_same_rooms(lock: str) -> None:
     def purger() -> None:
         rng = random.Random(seed)
         deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not stop.is_set():
             room = rng.randrange(ROOMS)
             purge = ctx.purge_room(room)
             # Everything the purge reported belongs to that room only, and is gone now.
@@ -102,13 +135,14 @@ def test_workers_and_purger_on_same_rooms(lock: str) -> None:
                 ctx.open_room(room)
         stop.set()
 
-    errors = _run_threads([worker(i) for i in range(4)] + [purger])
+    errors = run_threads([worker(i) for i in range(4)] + [purger], stop)
     assert errors == []
     assert ops[0] > 0
     for room in range(ROOMS):
         ctx.purge_room(room)
     snap = ctx.snapshot()
-    assert snap.open_rooms == snap.prefetched_rooms == snap.prefetch_requested == frozenset()
+    assert snap.open_rooms == snap.prefetched_rooms == frozenset()
+    assert snap.prefetch_requested == frozenset()
     s = ctx.stats()
     assert (s.open_rooms, s.prefetched_rooms, s.requested_keys) == (0, 0, 0)
 
@@ -116,7 +150,7 @@ def test_workers_and_purger_on_same_rooms(lock: str) -> None:
 @pytest.mark.parametrize("lock", LOCK_KINDS)
 def test_stale_handle_never_writes_into_new_generation(lock: str) -> None:
     """(b) a late writer keeps using its handle while the room is purged and reopened."""
-    _seed()
+    seed_from_env()
     ctx = StagingContext(lock=lock)
     stale = ctx.open_room(1)
     stop = threading.Event()
@@ -140,12 +174,14 @@ def test_stale_handle_never_writes_into_new_generation(lock: str) -> None:
         records.append(ctx.purge_room(stale))
         purged.set()
         for _ in range(300):
+            if stop.is_set():
+                return
             h = ctx.open_room(1)
             ctx.request_prefetch(h, 0, "fresh")
             records.append(ctx.purge_room(h))
         stop.set()
 
-    assert _run_threads([late_writer, purger]) == []
+    assert run_threads([late_writer, purger], stop) == []
     assert accepted_after_purge == []
     assert records[0].was_open and records[0].generation == stale.generation
     for record in records[1:]:
@@ -153,6 +189,52 @@ def test_stale_handle_never_writes_into_new_generation(lock: str) -> None:
         assert record.requests == {(0, "fresh")}, record
     assert ctx.stats().refused_late_writes > 0
     assert ctx.open_rooms == frozenset()
+
+
+@pytest.mark.parametrize("lock", LOCK_KINDS)
+def test_observers_never_see_a_half_purged_room(lock: str) -> None:
+    """(d) a purger closes and reopens rooms full of keys while another thread drops whole
+    sessions and an observer reads ``stats()``. A purge is one critical section, so every
+    ``stats()`` is self-consistent (opened - purged == open, no negative count) and
+    ``purge_session`` never meets a room that is closed but still indexed."""
+    seed = seed_from_env()
+    ctx = StagingContext(lock=lock)
+    stop = threading.Event()
+    observed = [0]
+    for room in range(ROOMS):
+        ctx.request_prefetches(ctx.open_room(room), range(4), SESSIONS[room % len(SESSIONS)])
+
+    def purger() -> None:
+        rng = random.Random(seed)
+        deadline = time.monotonic() + 0.5
+        try:
+            while time.monotonic() < deadline and not stop.is_set():
+                room = rng.randrange(ROOMS)
+                ctx.purge_room(room)
+                handle = ctx.open_room(room)
+                ctx.request_prefetches(handle, range(1 + rng.randrange(4)), rng.choice(SESSIONS))
+        finally:
+            stop.set()
+
+    def session_purger() -> None:
+        rng = random.Random(seed + 1)
+        while not stop.is_set():
+            ctx.purge_session(rng.choice(SESSIONS))
+
+    def observer() -> None:
+        while not stop.is_set():
+            s = ctx.stats()
+            assert s.rooms_opened - s.purges == s.open_rooms, s
+            assert min(s.open_rooms, s.prefetched_rooms, s.requested_keys) >= 0, s
+            observed[0] += 1
+
+    assert run_threads([purger, session_purger, observer], stop) == []
+    assert observed[0] > 0
+    for room in range(ROOMS):
+        ctx.purge_room(room)
+    s = ctx.stats()
+    assert (s.open_rooms, s.requested_keys) == (0, 0)
+    assert [ctx.purge_session(session) for session in SESSIONS] == [frozenset()] * len(SESSIONS)
 
 
 class UpstreamStaging:
@@ -198,17 +280,17 @@ def _upstream_race(seed: int, budget_s: float) -> list[BaseException]:
         rng = random.Random(seed)
         deadline = time.monotonic() + budget_s
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not stop.is_set():
                 state.purge(rng.randrange(ROOMS))
         finally:
             stop.set()
 
-    return _run_threads([worker(0), worker(1), purger])
+    return run_threads([worker(0), worker(1), purger], stop)
 
 
 def test_upstream_set_comprehension_purge_fails_under_same_race() -> None:
     """(c) the planted bug must be caught: 'Set changed size during iteration'."""
-    seed = _seed()
+    seed = seed_from_env()
     errors: list[BaseException] = []
     for attempt in range(5):
         errors = _upstream_race(seed + attempt, budget_s=1.0)

@@ -102,11 +102,13 @@ def test_quick_sender_scenarios_hold_every_invariant(tmp_path: Path) -> None:
     assert set(by_name) == {"sender-lifecycle", "peer-faults"}
     for scenario in by_name.values():
         assert scenario["rooms"] > 0
-        assert {"no-leak", "rooms-concluded", "bytes-verified", "no-resurrection"} <= set(
-            scenario["invariants"]
-        )
+        assert {
+            "no-leak", "rooms-concluded", "bytes-verified", "no-resurrection",
+            "decode-page-audit", "failure-contract", "chunks-once",
+        } <= set(scenario["invariants"])  # fmt: skip
         assert all(inv["violations"] == 0 for inv in scenario["invariants"].values())
         assert scenario["extra"]["verified"] > 0
+        assert scenario["extra"]["pages_audited"] > 0  # the page audit did judge pages
     assert by_name["sender-lifecycle"]["extra"]["faults_injected"] > 0
     peer = by_name["peer-faults"]["extra"]
     assert peer["peer_kills"] + peer["peer_stops"] > 0

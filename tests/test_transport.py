@@ -438,3 +438,56 @@ def test_transport_context_manager_and_names(nixl_required: None) -> None:
         NixlTransport(progress_delay_us=0)
     with pytest.raises(TransportParamError):
         NixlTransport(default_timeout_s=-1)
+
+
+class _RefusingAgent:
+    """Wraps the real NIXL agent; its first ``release_xfer_handle`` is refused the way NIXL
+    refuses to release an active transfer it cannot cancel (the handle stays valid)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.refusals = 0
+        self.released: list[Any] = []
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        if self.refusals == 0:
+            self.refusals += 1
+            raise _nixl.bindings.nixlBackendError("NIXL_ERR_BACKEND")  # type: ignore[union-attr]
+        self.released.append(handle)
+        self._inner.release_xfer_handle(handle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@pytest.mark.timeout(30)
+def test_refused_release_is_kept_and_retried_at_close(decode_peer: Any) -> None:
+    """A release NIXL refuses is not lost to the wrapper's finaliser (whose fallback list is
+    not on the binding agent): the transport keeps the handle, counts it and releases it once
+    at close()."""
+    tr = NixlTransport(default_timeout_s=5.0)
+    pool = torch.zeros((NUM_PAGES, PAGE_BYTES), dtype=torch.uint8)
+    tr.register_region("kv", pool, PAGE_BYTES)
+    tr.add_peer("p", decode_peer.metadata())
+    refusing = _RefusingAgent(tr._agent)
+    tr._agent = refusing
+    x = tr.write_pages("p", [1, 2], [1, 2])
+    x.wait(5)
+    x.release()  # refused by NIXL
+    assert x.released  # counts as released for us: never released twice
+    assert tr.stats().release_refused == 1
+    gc.collect()  # the handle must stay referenced: its finaliser must not run
+    assert refusing.released == []
+    x.release()
+    assert refusing.released == []
+    tr._agent = refusing._inner
+    inner_release = refusing._inner.release_xfer_handle
+    retried: list[Any] = []
+
+    def counting_release(handle: Any) -> None:
+        retried.append(handle)
+        inner_release(handle)
+
+    refusing._inner.release_xfer_handle = counting_release
+    tr.close()
+    assert len(retried) == 1  # retried exactly once at close

@@ -1,30 +1,51 @@
-"""What the two sender scenarios share: a real decode peer process (or several), a real
-NIXL transport wrapped by the fault injector, a KVManager with debug locks, a reaper thread
-that purges random rooms from outside the scheduler, and the end-of-run leak checks.
+"""What the sender scenarios share: a real decode peer process (or several), a real NIXL
+transport wrapped by the fault injector, a KVManager with debug locks (a new one per phase
+where a scenario needs it), a reaper thread that purges random rooms from outside the
+scheduler, the end-of-run drain and leak checks, the decode page audit, and the
+``decode-told`` check (:class:`NoticeTracker`): every room the prefill side failed or cleared
+before ``Success`` is known as failed at its decode peer (room notices), with the latency.
+
+Test-only ``--plant-bug no-notices`` (every sender scenario): the managers are made with
+``notify_decode=False``; ``decode-told`` must then report the rooms nobody was told about.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
+import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from sender.driver import DriverConfig, DriverResult, RoomOutcome, SchedulerDriver
+from sender.driver import (
+    CONTRACT_PREFIX,
+    BootstrapFn,
+    DriverConfig,
+    DriverResult,
+    RoomOutcome,
+    SchedulerDriver,
+    page_digests,
+)
 from sender.faults import FaultInjectingTransport
-from sender.manager import KVManager
-from sender.peer import PeerProcess
+from sender.manager import KVManager, ManagerPurge
+from sender.notices import NoticeError, decode_notice
+from sender.peer import LearntRoom, PeerError, PeerProcess
 from sender.poll import KVPoll
 from sender.transport import NixlTransport
 from staging.buffers import StagingBufferPool
-from staging.context import StagingContext
-from stress.framework import JSONValue, Monitor, StressConfig, WorkerCounters
+from staging.context import RoomHandle, StagingContext
+from stress.framework import JSONValue, Monitor, StressConfig, WorkerCounters, percentile
 from stress.invariants import (
+    DECODE_PAGE_AUDIT,
+    DECODE_TOLD,
+    FAILURE_CONTRACT,
     LOCK_ORDER,
     NO_DEADLOCK,
     NO_ESCAPED_EXCEPTION,
@@ -33,23 +54,31 @@ from stress.invariants import (
     NO_THREAD_LEFT,
     describe,
 )
+from stress.scenarios._page_audit import PageAudit
 
 ROOMS_CONCLUDED = describe(
     "rooms-concluded", "every room concluded Success or Failed (a dead peer's within 1 s)"
 )
 BYTES_VERIFIED = describe("bytes-verified", "every verifiable Success room's bytes match")
+CHUNKS_ONCE = describe(
+    "chunks-once", "every chunk ended once (done+failed+skipped+drained = submitted)"
+)
 
 SENDER_INVARIANTS = (
     NO_ESCAPED_EXCEPTION,
+    FAILURE_CONTRACT,
     ROOMS_CONCLUDED,
     BYTES_VERIFIED,
+    DECODE_PAGE_AUDIT,
+    DECODE_TOLD,
+    CHUNKS_ONCE,
     NO_LEAK,
     NO_RESURRECTION,
     LOCK_ORDER,
     NO_DEADLOCK,
     NO_THREAD_LEFT,
 )
-"""What both sender scenarios check."""
+"""What every sender scenario checks."""
 
 PAGE_BYTES = 4096
 KV_PAGES = 1024
@@ -57,6 +86,22 @@ STAGING_SLOTS = 16
 TRANSFER_TIMEOUT_S = 0.5
 REAP_EVERY_S = 0.05
 REAP_PROBABILITY = 0.2
+DRAIN_TIMEOUT_S = 5.0
+LEGACY_DRAIN_S = 0.3
+"""A manager without ``wait_drained`` released in-flight transfers at purge; their bytes may
+still land for a while: wait this long before reading pages for the audit."""
+PLANT_NO_NOTICES = "no-notices"
+"""Test-only planted bug: managers made with ``notify_decode=False`` (``decode-told`` fires)."""
+TOLD_WAIT_S = 2.0
+"""``decode-told``: after the manager closed and drained, how long the decode peers may take
+to show every notice (the goal is 100 ms; the rest is margin for a loaded machine)."""
+TOLD_GRACE_S = 1.5
+"""``decode-told``: a room is not judged at a decode peer that had a fault between the room's
+opening and this long after its purge (the notice waits for the room's posted chunks to
+drain: up to a transfer deadline, or a delayed write, after the purge)."""
+TOLD_GOAL_S = 0.1
+"""Goal: a room with nothing in flight at its purge is known as failed at the decode side
+within 100 ms of the purge (reported as ``goal_met``, not a violation)."""
 
 
 @dataclass
@@ -68,7 +113,11 @@ class RigStats:
     verified: int = 0
     unverified: int = 0
     reaped: int = 0
+    refused_opens: int = 0
+    pages_judged: int = 0
+    pages_unjudged: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    told: dict[str, JSONValue] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, JSONValue]:
         return {
@@ -77,37 +126,371 @@ class RigStats:
             "verified": self.verified,
             "unverified_peer_gone": self.unverified,
             "reaped_by_other_thread": self.reaped,
+            "refused_opens": self.refused_opens,
+            "pages_audited": self.pages_judged,
+            "pages_not_judged": self.pages_unjudged,
             "errors": dict(sorted(self.errors.items())),
+            "decode_told": self.told,
         }
 
 
-class SenderRig:
-    """One prefill sender talking to ``len(sessions)`` decode peer processes."""
+# --------------------------------------------------------------------------- decode-told
 
-    def __init__(self, config: StressConfig, sessions: tuple[str, ...], peer_pages: int) -> None:
+
+@dataclass(frozen=True, slots=True)
+class _Purged:
+    room: int
+    gen: int | None
+    status: KVPoll | None
+    at: float
+    draining: int
+
+
+class NoticeTracker:
+    """What the ``decode-told`` check needs: every opening (sessions, when), every purge (its
+    status, when, what still drained), when the manager sent each room notice, the faults of
+    each session (time intervals), and what each decode peer learnt (harvested from the peer
+    process, also right before a peer is killed or replaced: a new process knows nothing).
+
+    :meth:`check` (at the end of a manager's life, after it closed and drained) judges every
+    room failed or cleared before ``Success`` at each of its sessions that had no fault in
+    ``[opening, purge + TOLD_GRACE_S]``: the peer must know it (same outcome) within
+    :data:`TOLD_WAIT_S`; and no opening purged at ``Success`` may be known as failed.
+
+    Thread-safe: ``opened``/``purged``/``sent`` come from the manager's callers and threads,
+    ``fault``/``harvest`` from scenario threads; everything is guarded by one lock (held only
+    for dict updates, never across an RPC).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # Guarded by _lock.
+        self._opened: dict[tuple[int, int], tuple[tuple[str, ...], float]] = {}
+        self._purged: list[_Purged] = []
+        self._sent: dict[tuple[int, int, str], float] = {}
+        self._faults: dict[str, list[list[float]]] = {}
+        self._learnt: dict[str, dict[tuple[int, int], LearntRoom]] = {}
+        self._cursor: dict[str, tuple[int, int]] = {}  # session -> (peer pid, since)
+        self.latency_s: list[float] = []
+        self.latency_idle_s: list[float] = []  # rooms with nothing in flight at the purge
+        self.delivery_s: list[float] = []  # send_notif call -> learnt
+        self.counts: dict[str, int] = dict.fromkeys(
+            (
+                "judged",
+                "learnt",
+                "missing",
+                "excluded_fault",
+                "unreachable",
+                "outcome_mismatch",
+                "success_told",
+                "notices_sent",
+                "notices_failed",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ recording
+
+    def opened(self, handle: RoomHandle, sessions: Sequence[str], at: float) -> None:
+        """An opening and its sessions (any thread). Raises: nothing."""
+        with self._lock:
+            self._opened[(handle.room, handle.generation)] = (tuple(sessions), at)
+
+    def purged(self, purge: ManagerPurge, at: float) -> None:
+        """A purge's result (any thread; ignored when nothing was open). Raises: nothing."""
+        if not purge.was_open:
+            return
+        gen = purge.staging.generation if purge.staging is not None else None
+        with self._lock:
+            self._purged.append(_Purged(purge.room, gen, purge.status, at, purge.draining))
+
+    def sent(self, session_id: str, message: bytes, at: float) -> None:
+        """The notifier called ``send_notif`` with ``message`` at ``at`` (notifier thread).
+        Raises: nothing."""
+        try:
+            notice = decode_notice(message)
+        except NoticeError:
+            return
+        with self._lock:
+            self._sent[(notice.room, notice.gen, session_id)] = at
+
+    def fault(self, session_id: str, start: float, end: float | None = None) -> list[float]:
+        """A fault of ``session_id`` from ``start`` to ``end`` (``None``: still on; set
+        ``interval[1]`` on the returned list, or call :meth:`fault_end`, once repaired).
+        Any thread. Raises: nothing."""
+        interval = [start, float("inf") if end is None else end]
+        with self._lock:
+            self._faults.setdefault(session_id, []).append(interval)
+        return interval
+
+    def fault_end(self, interval: list[float], end: float) -> None:
+        """The fault ``interval`` (from :meth:`fault`) ended at ``end``. Raises: nothing."""
+        with self._lock:
+            interval[1] = end
+
+    def harvest(self, session_id: str, peer: PeerProcess) -> bool:
+        """Fetch what ``peer`` learnt since the last harvest. ``False`` when it did not
+        answer (or is gone). Never raises."""
+        if not peer.alive:
+            return False
+        with self._lock:
+            pid, since = self._cursor.get(session_id, (0, 0))
+        if pid != peer.pid:
+            since = 0
+        try:
+            got: dict[tuple[int, int], LearntRoom] = {}
+            for _ in range(256):
+                page = peer.room_notices(since)
+                for rec in page.records:
+                    got[(rec.room, rec.gen)] = rec.learnt
+                since = page.next
+                if not page.more:
+                    break
+        except PeerError:
+            return False
+        with self._lock:
+            self._cursor[session_id] = (peer.pid, since)
+            learnt = self._learnt.setdefault(session_id, {})
+            for key, value in got.items():
+                learnt.setdefault(key, value)
+        return True
+
+    # ------------------------------------------------------------------ the check
+
+    def _excluded(self, session_id: str, opened_at: float, purged_at: float) -> bool:
+        """Caller holds ``_lock``."""
+        return any(
+            start <= purged_at + TOLD_GRACE_S and end >= opened_at
+            for start, end in self._faults.get(session_id, ())
+        )
+
+    def check(
+        self,
+        monitor: Monitor,
+        peers: Mapping[str, PeerProcess],
+        mgr: KVManager,
+        wait_s: float = TOLD_WAIT_S,
+    ) -> dict[str, int]:
+        """Judge the rooms purged since the last check (call after ``mgr`` closed and
+        drained); returns this check's counts. Never raises."""
+        st = mgr.stats()
+        with self._lock:
+            purged, self._purged = self._purged, []
+            opened, self._opened = self._opened, {}
+            by_room: dict[int, int] = {}
+            for room, gen in opened:
+                by_room[room] = max(gen, by_room.get(room, -1))
+            pending: dict[tuple[int, int, str], _Purged] = {}
+            success: list[tuple[int, int, str]] = []
+            counts = dict.fromkeys(self.counts, 0)
+            counts["notices_sent"] = int(getattr(st, "notices_sent", 0))
+            counts["notices_failed"] = int(getattr(st, "notices_failed", 0))
+            for p in purged:
+                gen_or_none = p.gen if p.gen is not None else by_room.get(p.room)
+                if gen_or_none is None or (p.room, gen_or_none) not in opened:
+                    continue  # opened by another manager, or nothing known of it
+                gen = gen_or_none
+                sessions, opened_at = opened[(p.room, gen)]
+                for sid in sessions:
+                    if p.status is KVPoll.Success:
+                        success.append((p.room, gen, sid))
+                    elif sid not in peers or self._excluded(sid, opened_at, p.at):
+                        counts["excluded_fault"] += 1
+                    else:
+                        pending[(p.room, gen, sid)] = p
+        counts["judged"] = len(pending)
+        deadline = time.monotonic() + wait_s
+        sessions_left = {sid for _, _, sid in pending}
+        reached: set[str] = set()
+        while True:
+            for sid in sorted(sessions_left):
+                peer = peers.get(sid)
+                if peer is not None and self.harvest(sid, peer):
+                    reached.add(sid)
+            with self._lock:
+                left = [k for k in pending if (k[0], k[1]) not in self._learnt.get(k[2], {})]
+            sessions_left = {sid for _, _, sid in left}
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        for sid in {sid for _, _, sid in success} - reached:  # judge these too
+            peer = peers.get(sid)
+            if peer is not None:
+                self.harvest(sid, peer)
+        with self._lock:
+            for key, p in pending.items():
+                room, gen, sid = key
+                learnt = self._learnt.get(sid, {}).get((room, gen))
+                want = "failed" if p.status is KVPoll.Failed else "cleared"
+                if learnt is None:
+                    if sid not in reached:
+                        counts["unreachable"] += 1
+                        continue
+                    counts["missing"] += 1
+                    monitor.violation(
+                        DECODE_TOLD,
+                        f"room {room} gen {gen} ({want} on the prefill side, {p.draining} chunks "
+                        f"draining at its purge) is not known as failed at {sid!r} {wait_s:g} s "
+                        "after the manager drained",
+                    )
+                    continue
+                counts["learnt"] += 1
+                if learnt.outcome != want:
+                    counts["outcome_mismatch"] += 1
+                    monitor.violation(
+                        DECODE_TOLD,
+                        f"room {room} gen {gen}: the decode side learnt {learnt.outcome!r}, the "
+                        f"prefill side purged it {want!r}",
+                    )
+                lat = learnt.learnt_at - p.at
+                self.latency_s.append(lat)
+                if p.draining == 0:
+                    self.latency_idle_s.append(lat)
+                sent_at = self._sent.get(key)
+                if sent_at is not None:
+                    self.delivery_s.append(learnt.learnt_at - sent_at)
+            for room, gen, sid in success:
+                if (room, gen) in self._learnt.get(sid, {}):
+                    counts["success_told"] += 1
+                    monitor.violation(
+                        DECODE_TOLD,
+                        f"room {room} gen {gen} succeeded, yet {sid!r} was told it failed",
+                    )
+            self._sent.clear()
+            for learnt_map in self._learnt.values():
+                learnt_map.clear()
+            for name in self.counts:
+                self.counts[name] += counts[name]
+        return counts
+
+    def mark(self) -> tuple[int, int, int]:
+        """Where the latency lists stand now (for :meth:`summary` of a part of the run)."""
+        with self._lock:
+            return len(self.latency_s), len(self.latency_idle_s), len(self.delivery_s)
+
+    def summary(self, since: tuple[int, int, int] = (0, 0, 0)) -> dict[str, JSONValue]:
+        """Counts so far and latencies in ms (p50/p99/max) of the rooms judged since the
+        :meth:`mark` ``since``: ``latency_ms`` purge -> learnt for every judged room (it
+        includes the wait for the room's posted chunks to drain and for the notifier's queue);
+        ``idle_latency_ms`` for rooms with nothing in flight at their purge (the goal: p99
+        <= 100 ms); ``delivery_ms`` from the notifier's ``send_notif`` call to learnt."""
+
+        def q(values: list[float]) -> dict[str, JSONValue]:
+            if not values:
+                return {"n": 0, "p50": None, "p99": None, "max": None}
+            return {
+                "n": len(values),
+                "p50": round(statistics.median(values) * 1e3, 2),
+                "p99": round((percentile(values, 99) or 0.0) * 1e3, 2),
+                "max": round(max(values) * 1e3, 2),
+            }
+
+        with self._lock:
+            idle = self.latency_idle_s[since[1] :]
+            p99 = percentile(idle, 99)
+            return {
+                **self.counts,
+                "latency_ms": q(self.latency_s[since[0] :]),
+                "idle_latency_ms": q(idle),
+                "delivery_ms": q(self.delivery_s[since[2] :]),
+                "goal_ms": TOLD_GOAL_S * 1e3,
+                "goal_met": None if p99 is None else p99 <= TOLD_GOAL_S,
+            }
+
+
+class _NoticeClock:
+    """The transport a rig's manager sees: the fault injector, with each ``send_notif`` call
+    timed for :class:`NoticeTracker` (everything else is forwarded as is)."""
+
+    def __init__(self, inner: FaultInjectingTransport, tracker: NoticeTracker) -> None:
+        self._inner = inner
+        self._tracker = tracker
+
+    def write_pages(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner.write_pages(*args, **kwargs)
+
+    def send_notif(self, session_id: str, message: bytes) -> None:
+        at = time.monotonic()
+        self._inner.send_notif(session_id, message)
+        self._tracker.sent(session_id, message, at)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class TrackedManager(KVManager):
+    """A :class:`KVManager` that tells a :class:`NoticeTracker` about every opening and
+    every purge (``purge_room`` is also what ``clear``/``failure_exception``/``close`` call).
+    Behaviour is the base class's."""
+
+    def __init__(self, *args: Any, tracker: NoticeTracker, **kwargs: Any) -> None:
+        self.tracker = tracker
+        super().__init__(*args, **kwargs)
+
+    def open_room(self, room: int, session_ids: Sequence[str]) -> RoomHandle:
+        """:meth:`KVManager.open_room`, recorded. Raises: as the base class."""
+        handle = super().open_room(room, session_ids)
+        self.tracker.opened(handle, session_ids, time.monotonic())
+        return handle
+
+    def purge_room(self, room: int | RoomHandle) -> ManagerPurge:
+        """:meth:`KVManager.purge_room`, recorded. Raises: as the base class."""
+        purge = super().purge_room(room)
+        self.tracker.purged(purge, time.monotonic())
+        return purge
+
+
+class SenderRig:
+    """One prefill sender talking to ``len(sessions)`` decode peer processes.
+
+    ``extra_pools``: more staging pools, region name -> slots (one page each), registered
+    with the transport next to the default ``"staging"`` pool (e.g. a starved one).
+    """
+
+    def __init__(
+        self,
+        config: StressConfig,
+        sessions: tuple[str, ...],
+        peer_pages: int,
+        *,
+        extra_pools: Mapping[str, int] | None = None,
+    ) -> None:
         self.config = config
         self.sessions = sessions
         self.peer_pages = peer_pages
         self.stats = RigStats()
         self.peers: dict[str, PeerProcess] = {}
+        self.pools: dict[str, StagingBufferPool] = {}
         self._stack = contextlib.ExitStack()
+        self.peer_lock = threading.Lock()  # serialises peer restarts against digests
+        self.rooms_used: list[int] = []
+        self.next_room = 0
+        self.notices = NoticeTracker()
         try:
-            self._setup(config, sessions, peer_pages)
+            self._setup(config, sessions, peer_pages, dict(extra_pools or {}))
         except BaseException:
             self._stack.close()
             raise
-        self.peer_lock = threading.Lock()  # serialises peer restarts against digests
-        self.rooms_used: list[int] = []
 
-    def _setup(self, config: StressConfig, sessions: tuple[str, ...], peer_pages: int) -> None:
+    def _setup(
+        self,
+        config: StressConfig,
+        sessions: tuple[str, ...],
+        peer_pages: int,
+        extra_pools: dict[str, int],
+    ) -> None:
         gen = torch.Generator().manual_seed(config.seed)
         self.kv = torch.randint(0, 256, (KV_PAGES, PAGE_BYTES), dtype=torch.uint8, generator=gen)
-        self.pool = StagingBufferPool(STAGING_SLOTS, 1, PAGE_BYTES, debug=True)
+        self.audit = PageAudit(page_digests(self.kv))
         self.tx = NixlTransport(f"stress-prefill-{config.seed}")
         self._stack.callback(self.tx.close)
-        self._stack.callback(self.pool.close)
         self.tx.register_region("kv", self.kv, PAGE_BYTES)
-        self.tx.register_region("staging", self.pool.tensor, PAGE_BYTES)
+        for region, slots in {"staging": STAGING_SLOTS, **extra_pools}.items():
+            pool = StagingBufferPool(slots, 1, PAGE_BYTES, debug=True)
+            self._stack.callback(pool.close)
+            self.tx.register_region(region, pool.tensor, PAGE_BYTES)
+            self.pools[region] = pool
+        self.pool = self.pools["staging"]
         for sid in sessions:
             peer = PeerProcess(
                 peer_pages, PAGE_BYTES, name=sid, rpc_timeout_s=2.0, stderr=subprocess.DEVNULL
@@ -118,16 +501,38 @@ class SenderRig:
         self.injector = FaultInjectingTransport(
             self.tx, rate=config.fault_rate, seed=config.seed, points=("write", "poll")
         )
-        self.mgr = KVManager(
-            self.injector,
+        self._stack.callback(self.injector.close)
+        self.mgr = self.make_manager()
+
+    def make_manager(
+        self,
+        *,
+        num_workers: int | None = None,
+        staging: StagingContext | None = None,
+        region: str = "staging",
+        slot_timeout_s: float = 5.0,
+    ) -> KVManager:
+        """A new manager over the rig's transport (it becomes ``self.mgr``); close the old
+        one first (:meth:`finish_manager`). It reports its openings, purges and room notices
+        to ``self.notices`` (the ``decode-told`` check); under ``--plant-bug no-notices`` it
+        sends no room notice."""
+        self.mgr = TrackedManager(
+            _NoticeClock(self.injector, self.notices),
             self.kv,
-            num_workers=max(1, config.threads),
-            staging=StagingContext(lock=config.lock, debug=True),
-            staging_pool=self.pool,
+            num_workers=max(1, self.config.threads) if num_workers is None else num_workers,
+            staging=staging or StagingContext(lock=self.config.lock, debug=True),
+            staging_pool=self.pools[region],
             transfer_timeout_s=TRANSFER_TIMEOUT_S,
+            slot_timeout_s=slot_timeout_s,
             lock="mutex",
             debug=True,
+            staging_region=region,
+            notify_decode=self.config.plant_bug != PLANT_NO_NOTICES,
+            tracker=self.notices,
         )
+        self.rooms_used = []
+        self._tx_done_before = self.tx.stats().transfers_done
+        return self.mgr
 
     def close(self) -> None:
         try:
@@ -142,32 +547,70 @@ class SenderRig:
             peer = self.peers[session_id]
         return peer.page_digest(pages)
 
+    def new_driver(
+        self,
+        bootstrap: BootstrapFn | None = None,
+        *,
+        monitor: Monitor | None = None,
+        audit_reuse: bool = False,
+    ) -> SchedulerDriver:
+        """A driver over the current manager and every session. Its rooms are recorded in
+        the page audit as they conclude; with ``audit_reuse`` (and a ``monitor``) the pages
+        are also judged each time before they are handed to a new room (one digest read per
+        room: the audit then sees an overwrite before a later room hides it)."""
+        driver = SchedulerDriver(
+            self.mgr,
+            dict.fromkeys(self.sessions, self.peer_pages),
+            self.digest,
+            bootstrap=bootstrap,
+        )
+        driver.on_conclude = self.audit.record
+        if audit_reuse and monitor is not None:
+            audit, mon = self.audit, monitor
+
+            def before_reuse(session_id: str, pages: Sequence[int]) -> None:
+                for text in audit.check_pages(self.digest, session_id, pages):
+                    mon.violation(DECODE_PAGE_AUDIT, text)
+
+            driver.before_reuse = before_reuse
+        return driver
+
     def scheduler(
-        self, monitor: Monitor, on_outcome: Callable[[RoomOutcome], None] | None = None
+        self,
+        monitor: Monitor,
+        on_outcome: Callable[[RoomOutcome], None] | None = None,
+        *,
+        driver: SchedulerDriver | None = None,
+        running: Callable[[], bool] | None = None,
+        overrides: Mapping[str, Any] | None = None,
     ) -> Callable[[], None]:
-        """The scheduler thread's body: batches of rooms until the deadline."""
+        """The scheduler thread's body: batches of rooms while ``running()`` (default: until
+        the deadline). ``overrides``: :class:`DriverConfig` fields to set."""
+        keep_going = running if running is not None else monitor.running
+        chosen = driver
 
         def run() -> None:
             counters = monitor.counters()
-            driver = SchedulerDriver(self.mgr, dict.fromkeys(self.sessions, self.peer_pages),
-                                     self.digest)
-            base = 0
+            faults_before = self.injector.stats().faults
+            drv = chosen if chosen is not None else self.new_driver()
             cfg = self.config
-            while monitor.running():
-                result = driver.run(
-                    DriverConfig(
-                        rooms=cfg.rooms,
-                        chunks=cfg.chunks,
-                        pages_per_chunk=1,
-                        max_active=max(4, cfg.rooms // 2),
-                        room_base=base,
-                        seed=cfg.seed + base,
-                        deadline_s=max(5.0, monitor.watchdog_s / 2),
-                        quarantine_s=1.0,
-                    )
+            while keep_going():
+                base = self.next_room
+                self.next_room += cfg.rooms
+                dcfg = DriverConfig(
+                    rooms=cfg.rooms,
+                    chunks=cfg.chunks,
+                    pages_per_chunk=1,
+                    max_active=max(4, cfg.rooms // 2),
+                    room_base=base,
+                    seed=cfg.seed + base,
+                    deadline_s=max(5.0, monitor.watchdog_s / 2),
                 )
-                base += cfg.rooms
+                if overrides:
+                    dcfg = dataclasses.replace(dcfg, **overrides)
+                result = drv.run(dcfg)
                 self._account(monitor, counters, result, on_outcome)
+                counters.faults = self.injector.stats().faults - faults_before
 
         return run
 
@@ -179,11 +622,15 @@ class SenderRig:
         on_outcome: Callable[[RoomOutcome], None] | None,
     ) -> None:
         for text in result.escaped:
-            monitor.violation(NO_ESCAPED_EXCEPTION, text)
+            if text.startswith(CONTRACT_PREFIX):
+                monitor.violation(FAILURE_CONTRACT, text[len(CONTRACT_PREFIX) :])
+            else:
+                monitor.violation(NO_ESCAPED_EXCEPTION, text)
         if result.unconcluded:
             monitor.violation(
                 ROOMS_CONCLUDED, f"{result.unconcluded} rooms not concluded before the deadline"
             )
+        self.stats.refused_opens += result.refused
         for o in result.outcomes:
             self.rooms_used.append(o.room)
             counters.rooms += 1
@@ -207,56 +654,132 @@ class SenderRig:
                 monitor.violation(NO_LEAK, f"room {o.room} left in {o.footprint} at conclusion")
             if on_outcome is not None:
                 on_outcome(o)
-        counters.faults = self.injector.stats().faults
 
     # ------------------------------------------------------------------ chaos
 
-    def reaper(self, monitor: Monitor, index: int) -> Callable[[], None]:
+    def reaper(
+        self, monitor: Monitor, index: int, running: Callable[[], bool] | None = None
+    ) -> Callable[[], None]:
         """Another thread purging random open rooms (an engine aborting requests)."""
+        keep_going = running if running is not None else monitor.running
 
         def run() -> None:
             rng: random.Random = self.config.rng(index)
-            while monitor.running():
+            while keep_going():
                 time.sleep(REAP_EVERY_S)
-                rooms = list(self.mgr.request_status)
-                if (
-                    rooms
-                    and rng.random() < REAP_PROBABILITY
-                    and self.mgr.purge_room(rng.choice(rooms)).was_open
-                ):
+                mgr = self.mgr
+                rooms = list(mgr.request_status)
+                if rooms and rng.random() < REAP_PROBABILITY and mgr.purge_room(
+                    rng.choice(rooms)
+                ).was_open:
                     self.stats.reaped += 1
 
         return run
 
     # ------------------------------------------------------------------ end checks
 
-    def check_end(self, monitor: Monitor) -> None:
-        """After the scheduler stopped: quiesce, then nothing may be left anywhere."""
-        self.mgr.close()
+    def drain(self, monitor: Monitor, mgr: KVManager) -> None:
+        """Wait until no transfer of a purged room is in flight (``wait_drained``), and until
+        the injector posted and finished every delayed write."""
+        wait = getattr(mgr, "wait_drained", None)
+        if wait is None:
+            time.sleep(LEGACY_DRAIN_S)
+        else:
+            try:
+                if not wait(timeout_s=DRAIN_TIMEOUT_S):
+                    left = getattr(mgr, "draining", lambda: "?")()
+                    monitor.violation(
+                        NO_LEAK,
+                        f"{left} transfers still draining {DRAIN_TIMEOUT_S:g} s after close",
+                    )
+            except Exception as exc:  # documented never to raise
+                monitor.exception(exc, "wait_drained")
+        if not self.injector.quiesce(DRAIN_TIMEOUT_S):
+            monitor.violation(NO_LEAK, "delayed writes still pending at the fault injector")
+
+    def finish_manager(self, monitor: Monitor) -> None:
+        """Close the current manager, let everything drain, then nothing may be left."""
+        mgr = self.mgr
+        try:
+            mgr.close()
+        except Exception as exc:  # a worker that does not stop
+            monitor.exception(exc, "KVManager.close")
+        self.drain(monitor, mgr)
         for room in self.rooms_used:
-            left = self.mgr.footprint(room)
+            left = mgr.footprint(room)
             if left:
                 monitor.violation(NO_RESURRECTION, f"room {room} reappeared in {left}")
-        st = self.mgr.stats()
-        if st.open_rooms or st.transfers_inflight:
+        st = mgr.stats()
+        if st.open_rooms or st.transfers_inflight or getattr(st, "transfers_draining", 0):
             monitor.violation(NO_LEAK, f"manager: {st}")
-        snap = self.mgr.staging.snapshot()
+        snap = mgr.staging.snapshot()
         if snap.open_rooms or snap.prefetched_rooms or snap.prefetch_requested:
             monitor.violation(NO_LEAK, f"staging: {len(snap.prefetch_requested)} keys left")
-        ps = self.pool.stats()
-        if ps.in_use or ps.owners:
+        pool = mgr.staging_pool
+        ps = pool.stats() if pool is not None else None
+        if ps is not None and (ps.in_use or ps.owners):
             monitor.violation(NO_LEAK, f"staging pool: {ps.in_use} slots still leased")
-        live = self.tx.stats().live_transfers
-        if live:
-            monitor.violation(NO_LEAK, f"transport: {live} transfer handles never released")
+        tx = self.tx.stats()
+        if tx.live_transfers:
+            monitor.violation(
+                NO_LEAK, f"transport: {tx.live_transfers} transfer handles never released"
+            )
+        done = tx.transfers_done - self._tx_done_before
+        if st.chunks_done > done:
+            monitor.violation(
+                CHUNKS_ONCE,
+                f"manager counted {st.chunks_done} chunks done; the transport saw only {done} "
+                "transfers reach DONE",
+            )
+        drained = getattr(st, "chunks_drained", None)
+        if drained is not None:  # every chunk ends exactly once, as one of these four
+            ended = st.chunks_done + st.chunks_failed + st.chunks_skipped + drained
+            if ended != st.chunks_submitted:
+                monitor.violation(
+                    CHUNKS_ONCE,
+                    f"{st.chunks_submitted} chunks submitted but {ended} ended (done "
+                    f"{st.chunks_done}, failed {st.chunks_failed}, skipped {st.chunks_skipped}, "
+                    f"drained {drained})",
+                )
+        self.check_told(monitor, mgr)
+
+    def check_told(self, monitor: Monitor, mgr: KVManager) -> None:
+        """``decode-told`` for the rooms of ``mgr`` (closed and drained): see
+        :class:`NoticeTracker`. Its figures go to ``stats.told``."""
+        with self.peer_lock:
+            peers = {sid: p for sid, p in self.peers.items() if p.alive}
+        self.notices.check(monitor, peers, mgr)
+        self.stats.told = self.notices.summary()
+
+    def harvest_notices(self, session_id: str) -> bool:
+        """Fetch what the session's peer learnt so far (call right before killing or
+        replacing it: the new process knows nothing). Never raises."""
+        return self.notices.harvest(session_id, self.peers[session_id])
+
+    def audit_pages(self, monitor: Monitor) -> None:
+        """Judge every decode page used so far (call when nothing is in flight)."""
+        report = self.audit.check(self.digest)
+        for text in report.violations:
+            monitor.violation(DECODE_PAGE_AUDIT, text)
+        self.stats.pages_judged += report.judged
+        self.stats.pages_unjudged += report.unjudged
+
+    def check_end(self, monitor: Monitor) -> None:
+        """After the scheduler stopped: close, drain, nothing left, then the page audit."""
+        self.finish_manager(monitor)
+        self.audit_pages(monitor)
 
 
 @contextlib.contextmanager
 def sender_rig(
-    config: StressConfig, sessions: tuple[str, ...], peer_pages: int
+    config: StressConfig,
+    sessions: tuple[str, ...],
+    peer_pages: int,
+    *,
+    extra_pools: Mapping[str, int] | None = None,
 ) -> Iterator[SenderRig]:
     """A started :class:`SenderRig`, always closed (peers reaped) on exit."""
-    rig = SenderRig(config, sessions, peer_pages)
+    rig = SenderRig(config, sessions, peer_pages, extra_pools=extra_pools)
     try:
         yield rig
     finally:

@@ -2,6 +2,10 @@
 really SIGKILLed (then restarted and re-added) and/or SIGSTOPped (then continued) over and
 over during the run, while the other keeps serving.
 
+``decode-told`` judges the rooms of a session only away from its faults (a room opened before
+a fault ended and purged less than ``TOLD_GRACE_S`` before it began is not judged); what a
+peer learnt is fetched right before it is killed.
+
 ``--peer-kill`` / ``--peer-stop`` choose the faults (neither given: both, alternating). A
 killed peer surfaces as ``nixlRemoteDisconnectError`` and fails every room of its session at
 once; a stopped peer is never detected by NIXL, so its rooms fail at our transfer deadline
@@ -103,9 +107,15 @@ class PeerFaults:
                 n += 1
                 sid = SESSIONS[rng.randrange(len(SESSIONS))]
                 peer = rig.peers[sid]
+                # decode-told: rooms living around a fault of their session are not judged;
+                # what the peer learnt so far is fetched before a kill (the new process
+                # knows nothing).
+                window = rig.notices.fault(sid, time.monotonic())
                 if kind == "kill":
+                    rig.harvest_notices(sid)
                     peer.kill()
                     kills.append(time.monotonic())
+                    rig.audit.peer_reset(sid, kills[-1])  # its pages are gone with it
                     faults["kill"] += 1
                     time.sleep(0.2)
                     with rig.peer_lock:
@@ -120,6 +130,7 @@ class PeerFaults:
                     faults["stop"] += 1
                     time.sleep(TRANSFER_TIMEOUT_S + 0.3)
                     peer.cont()
+                rig.notices.fault_end(window, time.monotonic())
                 counters.faults += 1
                 counters.ops += 1
 

@@ -5,10 +5,14 @@ another thread purges random rooms (an engine aborting requests from elsewhere).
 
 The scheduler polls every room, calls ``failure_exception()`` on ``Failed`` and ``clear()``
 on ``Success`` (after verifying the room's bytes at the peer), exactly as an engine does.
-Checked: no exception escaped; every room concluded; every verifiable ``Success`` room's
-bytes are right; nothing is left for a concluded room, at its conclusion and again after
-the workers stopped (no late worker resurrected it); no slot, key or transfer handle leaked;
-lock order (debug locks); no deadlock; no thread left.
+Checked: no exception escaped; ``failure_exception()`` raised only what its contract allows;
+every room concluded; every verifiable ``Success`` room's bytes are right; nothing is left for
+a concluded room, at its conclusion and again after the manager closed and every transfer
+drained (no late worker resurrected it); no slot, key or transfer handle leaked; every chunk
+ended exactly once; the decode page audit (every decode page holds the bytes of the last
+room verified on it, or of a room given it later); every room failed or cleared before
+``Success`` is known as failed at the decode peer (``decode-told``, room notices; latency in
+``extra["decode_told"]``); lock order (debug locks); no deadlock; no thread left.
 """
 
 from __future__ import annotations

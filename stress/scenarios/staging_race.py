@@ -16,9 +16,14 @@ generation was already purged (``dead``) must be refused.
 Checks: per operation (stale acceptance, purge contents); continuously from the coordinator
 thread (``snapshot()``/``stats()`` are each self-consistent); at quiescent epochs (workers
 parked on a barrier every ``EPOCH_S``: stats agree with the snapshot, every room's keys and
-generation agree); and at the end (purge every room, then nothing is left). Meanwhile two
-probe threads run tiny recorded programs on a room of their own, contending for the same lock,
-and every round's history must be linearizable (:mod:`stress.linearizability`).
+generation agree, and the lock-free point reads ``is_open``/``is_prefetched``/``is_requested``
+answer exactly what the snapshot says, through the room id and through its handle, for every
+key of the snapshot, for every absent key of the room's key space, for the keys that were
+there at the previous epoch and are gone now, for closed and never-opened rooms and for the
+previous epoch's now-stale handles: ``point-reads``); and at the end (purge every room, then
+nothing is left). Meanwhile two probe threads run tiny recorded programs on a room of their
+own, contending for the same lock, and every round's history must be linearizable
+(:mod:`stress.linearizability`).
 
 Test-only planted bugs (``config.plant_bug``), each of which must fail the run:
 ``"resurrect"`` swaps in a context that re-opens a purged room for a late writer
@@ -38,6 +43,7 @@ from dataclasses import asdict
 from typing import NamedTuple
 
 from staging import RoomAlreadyOpenError, RoomHandle, RoomPurge, StagingContext
+from staging.context import PrefetchKey, StagingSnapshot
 from stress.framework import (
     JSONValue,
     Monitor,
@@ -55,6 +61,7 @@ from stress.invariants import (
     NO_LEAK,
     NO_RESURRECTION,
     NO_THREAD_LEFT,
+    describe,
 )
 from stress.linearizability import Op, ThreadRecorder, first_violation
 
@@ -71,6 +78,11 @@ PROBE_OPS = (
 )  # fmt: skip
 PROBE_REFS = ("id", "handle", "stale", "mine")
 PLANTED_BUGS = ("resurrect", "racy-request", "reentry", "deadlock")
+NEVER_OPENED = 2  # room ids past the probe room that no thread ever opens: point reads say no
+
+POINT_READS = describe(
+    "point-reads", "lock-free point reads agree with the snapshot at quiescent points"
+)
 
 Ref = int | RoomHandle
 
@@ -526,6 +538,11 @@ class _Coordinator:
         self.monitor = shared.monitor
         self.epochs = 0
         self.checks = 0
+        self.point_reads = 0
+        # What the previous quiescent epoch saw: its keys (room, chunk, session) and the
+        # handle of each open room. Keys gone since and handles purged since must read False.
+        self.last_keys: frozenset[PrefetchKey] = frozenset()
+        self.last_handles: dict[int, RoomHandle] = {}
 
     def drive(self) -> None:
         """Check continuously, park the workers every ``EPOCH_S``, until the deadline."""
@@ -592,11 +609,13 @@ class _Coordinator:
         by_room: dict[int, set[tuple[int, str]]] = {}
         for room, chunk, session in snap.prefetch_requested:
             by_room.setdefault(room, set()).add((chunk, session))
+        handles: dict[int, RoomHandle] = {}
         for room in snap.open_rooms:
             handle = ctx.handle(room)
             if handle is None:
                 mon.violation(COUNTERS_CONSISTENT, f"room {room} in snapshot but has no handle")
                 continue
+            handles[room] = handle
             if handle.generation in shared.dead:
                 mon.violation(NO_RESURRECTION, f"room {room} open with purged gen {handle}")
             keys = by_room.get(room, set())
@@ -614,6 +633,75 @@ class _Coordinator:
                     NO_RESURRECTION,
                     f"room {room} gen {handle.generation} holds keys of generations {foreign}",
                 )
+        self.check_point_reads(snap, by_room, handles)
+
+    def check_point_reads(
+        self,
+        snap: StagingSnapshot,
+        by_room: dict[int, set[tuple[int, str]]],
+        handles: dict[int, RoomHandle],
+    ) -> None:
+        """With every thread parked: each lock-free point read answers what ``snap`` says.
+
+        For every open room, through its id and its handle: ``is_open`` is True,
+        ``is_prefetched`` matches, ``is_requested`` is True for each of its keys and False for
+        every other key of its key space (plain and generation-tagged chunk indices, every
+        session). Keys of the previous epoch that are gone read False, and so does every read
+        through a handle the previous epoch saw open and that has been purged since, and
+        every read of a closed or never-opened room.
+        """
+        ctx, mon, shared = self.ctx, self.monitor, self.shared
+        sessions = SESSIONS + PROBE_SESSIONS
+        reads = 0
+
+        def bad(what: str) -> None:
+            mon.violation(POINT_READS, what)
+
+        for room, handle in handles.items():
+            keys = by_room.get(room, set())
+            prefetched = room in snap.prefetched_rooms
+            space = {
+                (chunk, session)
+                for c in range(shared.chunks)
+                for chunk in (c, shared.tag(handle.generation, c))
+                for session in sessions
+            }
+            for ref in (room, handle):
+                reads += 2
+                if not ctx.is_open(ref):
+                    bad(f"is_open({ref}) is False for an open room")
+                if ctx.is_prefetched(ref) != prefetched:
+                    bad(f"is_prefetched({ref}) != {prefetched} (snapshot)")
+                for chunk, session in keys | space:
+                    reads += 1
+                    if ctx.is_requested(ref, chunk, session) != ((chunk, session) in keys):
+                        bad(
+                            f"is_requested({ref}, {chunk}, {session!r}) != "
+                            f"{(chunk, session) in keys} (snapshot)"
+                        )
+        gone = self.last_keys - snap.prefetch_requested
+        for room, chunk, session in gone:
+            reads += 1
+            if ctx.is_requested(room, chunk, session):
+                bad(f"is_requested({room}, {chunk}, {session!r}) is True for a key gone")
+        for room, old in self.last_handles.items():
+            if handles.get(room) == old:
+                continue
+            reads += 3
+            if ctx.is_open(old) or ctx.is_prefetched(old):
+                bad(f"a purged handle {old} reads as open or prefetched")
+            if any(ctx.is_requested(old, c, s) for c, s in by_room.get(room, ())):
+                bad(f"a purged handle {old} sees keys of the room's new generation")
+        closed = [r for r in range(shared.rooms + 1 + NEVER_OPENED) if r not in handles]
+        for room in closed:
+            reads += 2 + len(sessions)
+            if ctx.is_open(room) or ctx.is_prefetched(room):
+                bad(f"closed room {room} reads as open or prefetched")
+            if any(ctx.is_requested(room, 0, s) for s in sessions):
+                bad(f"closed room {room} reads as holding a key")
+        self.point_reads += reads
+        self.last_keys = snap.prefetch_requested
+        self.last_handles = handles
 
     def finish(self) -> None:
         """After the join: one last quiescent check, purge everything, nothing is left."""
@@ -650,6 +738,7 @@ class StagingRace:
         NO_DEADLOCK,
         NO_THREAD_LEFT,
         LOCK_ORDER,
+        POINT_READS,
     )
 
     def run(self, config: StressConfig, monitor: Monitor) -> ScenarioMetrics:
@@ -670,6 +759,7 @@ class StagingRace:
         extra: dict[str, JSONValue] = {
             "lock_kind": shared.ctx.lock_kind,
             "epochs": coordinator.epochs,
+            "quiescent_point_reads": coordinator.point_reads,
             "continuous_checks": coordinator.checks,
             "stale_handle_ops": sum(w.stale_attempts for w in workers),
             "linearizability_rounds": prober.rounds,

@@ -1,0 +1,121 @@
+"""Room notices: how a prefill sender tells a decode session that one of its rooms will not
+complete (wire format version 1; documented in docs/PROTOCOL.md).
+
+A notice is one NIXL notification (``send_notif``), not bound to any transfer, sent by the
+prefill side to every decode session of a room that failed or was cleared before
+``Success``, *after* every posted chunk of that opening has ended (NIXL cannot cancel a
+write: once the notice is sent, no byte of the room will land any more, so the decode side
+may reuse the room's pages at once). Format::
+
+    b"NXSTG-ROOM/1 " + UTF-8 JSON {"room": int, "gen": int, "outcome": str, "code": str}
+
+``outcome`` is ``"failed"`` (the room failed on the prefill side) or ``"cleared"`` (cleared
+before it concluded, e.g. the request was cancelled). ``code`` is one of :data:`CODES`.
+``gen`` is the generation of the room's opening on the prefill side: a notice names one
+opening, never a room id in general. Per-transfer notifications carry bytes-landed facts
+only; a room notice is the room-level outcome and wins over them.
+
+Pure functions; thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+PREFIX = b"NXSTG-ROOM/1 "
+"""Magic and version of the format (a decoder refuses other versions)."""
+
+MAX_NOTICE_BYTES = 512
+"""A notice is small; anything longer is not one of ours."""
+
+OUTCOMES = ("failed", "cleared")
+CODES = ("aborted", "transport", "timeout", "peer-failed", "bad-input", "internal", "cleared")
+"""Why: the caller aborted; a transport error; a transfer deadline; the decode session was
+failed as a whole; bad transfer info; an internal error; cleared without a failure."""
+
+
+class NoticeError(ValueError):
+    """Bytes that are not a valid room notice of this version."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoomNotice:
+    """One room notice: that opening of the room will not complete."""
+
+    room: int
+    gen: int
+    outcome: str
+    code: str
+
+    def encode(self) -> bytes:
+        """The notification bytes.
+
+        Raises:
+            NoticeError: a field out of its domain.
+        """
+        _check(self.room, self.gen, self.outcome, self.code)
+        body = json.dumps(
+            {"room": self.room, "gen": self.gen, "outcome": self.outcome, "code": self.code},
+            separators=(",", ":"),
+        )
+        return PREFIX + body.encode()
+
+
+def is_notice(message: bytes) -> bool:
+    """``True`` when ``message`` claims to be a room notice (any version of ours)."""
+    return message.startswith(b"NXSTG-ROOM/")
+
+
+def decode_notice(message: bytes) -> RoomNotice:
+    """Parse a room notice.
+
+    Raises:
+        NoticeError: not a version-1 room notice, or a malformed one.
+    """
+    if not isinstance(message, bytes | bytearray):
+        raise NoticeError(f"a notice is bytes, got {type(message).__name__}")
+    message = bytes(message)
+    if len(message) > MAX_NOTICE_BYTES or not message.startswith(PREFIX):
+        raise NoticeError("not a version-1 room notice")
+    try:
+        doc = json.loads(message[len(PREFIX) :].decode())
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise NoticeError("malformed room notice") from None
+    if not isinstance(doc, dict):
+        raise NoticeError("malformed room notice")
+    fields: dict[str, object] = {k: doc.get(k) for k in ("room", "gen", "outcome", "code")}
+    room, gen, outcome, code = fields["room"], fields["gen"], fields["outcome"], fields["code"]
+    _check(room, gen, outcome, code)
+    assert isinstance(room, int) and isinstance(gen, int)  # checked above: for the type checker
+    return RoomNotice(room, gen, str(outcome), str(code))
+
+
+def code_for(reason: str | None, exc: BaseException | None) -> str:
+    """Classify a failure reason (as the manager records it) into one of :data:`CODES`."""
+    from sender.errors import TransferTimeoutError
+
+    text = reason or ""
+    if isinstance(exc, TransferTimeoutError) or "TransferTimeoutError" in text:
+        return "timeout"
+    if text.startswith("aborted"):
+        return "aborted"
+    if text.startswith("decode peer"):
+        return "peer-failed"
+    if "destination pages" in text:
+        return "bad-input"
+    if text.startswith("internal error"):
+        return "internal"
+    if text:
+        return "transport"
+    return "cleared"
+
+
+def _check(room: object, gen: object, outcome: object, code: object) -> None:
+    for name, value in (("room", room), ("gen", gen)):
+        if type(value) is not int or value < 0:
+            raise NoticeError(f"bad {name} in room notice: {value!r}")
+    if outcome not in OUTCOMES:
+        raise NoticeError(f"bad outcome in room notice: {outcome!r}")
+    if code not in CODES:
+        raise NoticeError(f"bad code in room notice: {code!r}")

@@ -1,0 +1,1193 @@
+"""``two-hosts``: the sender and a decode peer on two "hosts" joined by a shaped veth link,
+with peer and network faults over that link.
+
+The decode peer runs in a network namespace of its own (:mod:`stress.netns`); UCX is
+restricted to TCP on the veth on both sides, so every byte (and the peer's control channel)
+crosses the link, which is shaped with ``tc tbf``. The sender cannot switch its own UCX
+transports once NIXL is loaded, so the whole run happens in a child process started with the
+link's environment; this process owns the topology (made and always torn down here) and
+relays the child's progress and findings to the stress monitor.
+
+Per fault, each in a *phase* with its own manager (the transport, i.e. the sender's NIXL
+agent, lives for the whole run):
+
+* ``stop`` — SIGSTOP the peer (hung: NIXL never notices), SIGCONT it later.
+* ``partition`` — the peer's end of the link goes down mid-transfer, then up (heal).
+* ``evict`` — the same partition, but the scheduler acts on the first failed room like an
+  engine's health check: it removes the session's peer (``remove_peer``) so that rooms
+  opened later fail at once; after the heal it adds the peer back (same metadata).
+* ``kill`` — SIGKILL the peer, then restart it under the same session id (``remove_peer``
+  + ``add_peer`` with the new process's metadata).
+* ``restart`` — replace the peer process (SIGTERM, new process) under the same session id
+  while rooms flow.
+
+Rooms flow (``SchedulerDriver`` over the rig's manager, pages reused LIFO: as soon as the
+drain rule allows) before, during and after the fault; the fault strikes while chunks are
+posted. Measured per fault (the report and ``--json`` give every figure), and checked as
+invariants:
+
+* ``fault-to-failed``: from the fault until each room in flight at it concluded. Goals: 1 s
+  after a kill/restart; the transfer deadline + 100 ms for a hung peer or a partition
+  (``goal_met`` per phase). The run fails past 1 s, resp. deadline + 400 ms (the margin is
+  scheduling noise of a shared 2-core machine; a sender without ``fail_session`` needs two
+  deadlines and more);
+* ``fail-fast``: rooms opened after the fault fail, never succeed while a hung peer or a cut
+  link is on, within 1 s once the peer is dead or evicted, and within two deadlines + 400 ms
+  while the hung peer is still the session's (each worker polls a hung chunk until its
+  deadline, so a new room may wait one deadline for a worker, then its own);
+* ``recovered``: once the fault is repaired, a streak of new rooms succeeds (verified)
+  without a new transport;
+* ``no-early-reuse``: a failed room's decode pages are handed to a new room only once
+  nothing of it drains (``mgr.draining(handle) == 0``);
+* ``no-leak``: while the fault is on, no room table or staging key is left and slots are
+  held only by hung transfers; after the repair, ``wait_drained`` and the manager's close,
+  nothing (tables, staging keys, slots, live transfer handles); ``decode-page-audit`` (no
+  cross-room overwrite at the decode side, judged at every page reuse and per phase),
+  ``bytes-verified``;
+* ``over-the-link``: the room bytes crossed the veth (interface counters, and the tbf
+  qdisc's);
+* ``decode-told``: every room failed or cleared before ``Success`` is known as failed at the
+  peer (a room notice over the link), except around a fault of the peer (a killed or
+  replaced peer's history is fetched just before). At each link rate a *notices* round (the
+  scheduler aborts about half of the rooms, some with chunks in flight) measures the latency
+  from the purge to the peer learning it (``notices`` rows of ``phases``, and
+  ``decode_told`` in the result).
+
+Besides, a *canary* write (to decode pages no room uses) is posted right after a stop or a
+partition with the transfer deadline and kept, as the manager keeps a hung chunk (``evict``
+releases it with the peer): what NIXL/UCX say about it (error or silence), whether NIXL
+still has it after our deadline, and when it completes and its bytes land after the repair
+are measured, not assumed.
+
+The harness reads decode pages over the peer's control channel, which shares the link: it
+stops reading while a fault is on (a read in progress finishes first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import numpy as np
+
+from sender.driver import RoomOutcome, SchedulerDriver
+from sender.peer import PeerError, PeerProcess, page_digest_bytes
+from sender.poll import KVPoll
+from staging.context import RoomHandle
+from stress.framework import JSONValue, Monitor, ScenarioMetrics, StressConfig, register
+from stress.invariants import DECODE_PAGE_AUDIT, NO_LEAK, describe
+from stress.netns import (
+    TwoHostLink,
+    child_env,
+    cleanup_stale,
+    two_host_link,
+    unavailable_reason,
+)
+from stress.scenarios._sender_rig import (
+    BYTES_VERIFIED,
+    PAGE_BYTES,
+    PLANT_NO_NOTICES,
+    SENDER_INVARIANTS,
+    TRANSFER_TIMEOUT_S,
+    SenderRig,
+)
+
+FAULT_TO_FAILED = describe(
+    "fault-to-failed",
+    "every room in flight at a fault concluded within its limit (kill/restart 1 s; hung or "
+    "partition: deadline + 400 ms; goal + 100 ms)",
+)
+FAIL_FAST = describe(
+    "fail-fast", "rooms opened after a fault failed within their bound (no room hangs)"
+)
+RECOVERED = describe(
+    "recovered", "after the repair (restart/cont/heal) new rooms succeed, same transport"
+)
+NO_EARLY_REUSE = describe(
+    "no-early-reuse", "a failed room's decode pages were reused only once nothing of it drained"
+)
+OVER_THE_LINK = describe("over-the-link", "the room bytes crossed the veth link (counters)")
+
+INVARIANTS = (
+    *SENDER_INVARIANTS,
+    FAULT_TO_FAILED,
+    FAIL_FAST,
+    RECOVERED,
+    NO_EARLY_REUSE,
+    OVER_THE_LINK,
+)
+
+SESSION = "decode-netns"
+PEER_PAGES = 512
+CANARY_PAGES = 8
+ROOM_PAGES = PEER_PAGES - CANARY_PAGES  # the driver hands out only these; the rest: canary
+KILL_BOUND_S = 1.0
+"""Goal and limit: a room in flight when its peer dies (or is replaced) fails within 1 s."""
+HUNG_GOAL_SLACK_S = 0.1
+"""Goal: a room in flight when its peer hangs or the link is cut fails within the transfer
+deadline + 100 ms of the fault (reported per phase as ``goal_met``)."""
+HUNG_LIMIT_SLACK_S = 0.4
+"""What fails the run (``fault-to-failed``): deadline + 400 ms. Between the goal and this
+limit lies scheduling noise of a shared 2-core machine (a chunk queued at the fault is posted
+that much later; measured up to 160 ms); a sender that failed rooms one chunk deadline after
+another (no ``fail_session``) takes >= 2 deadlines and is caught."""
+KINDS = ("stop", "partition", "evict", "kill", "restart")
+CANARY_WATCH_S = 2.5
+PLANTED_BUGS = (
+    "quarantine",
+    "no-fail-session",
+    "leak-slot",
+    "no-repair",
+    "no-tcp",
+    PLANT_NO_NOTICES,
+)
+"""Test only, each makes one check fire. ``quarantine``: the driver reuses a failed room's
+pages at once (``release_rule="quarantine"``, 0 s) while its transfers may still drain
+(``no-early-reuse``). ``no-fail-session``: the manager does not fail a dead/hung peer's other
+rooms at once (``fail_session_on_disconnect=False``): rooms then fail one chunk deadline
+after another (``fault-to-failed``, ``fail-fast``). ``leak-slot``: a staging slot is leased
+during each fault and never returned (``no-leak``). ``no-repair``: the fault is never
+repaired (``recovered``). ``no-tcp``: UCX may use shared memory/CMA (``UCX_TLS`` unset on
+both sides; the net devices stay restricted): the bytes bypass the link
+(``over-the-link``). ``no-notices``: the managers send no room notice (``decode-told``)."""
+NOTICE_ROOMS = 32
+"""Rooms of the room-notice round at each link rate (about half of them aborted)."""
+NOTICE_ABORT_RATE = 0.5
+_CHILD_ENTRY = (
+    "import sys; from stress.scenarios.two_hosts import child_main; "
+    "sys.exit(child_main(sys.argv[1:]))"
+)
+_RESULT_TAG = "TWO-HOSTS-RESULT "
+_PROGRESS_TAG = "TWO-HOSTS-PROGRESS "
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the child runs (JSON between the two processes).
+
+    Attributes:
+        seed: Seed of the room plans.
+        kinds: The faults, in order (one phase each).
+        rates_bit: Link rate per cycle (the phases run once per rate).
+        lead_s: Traffic before the fault.
+        after_s: Traffic after the fault (>= the transfer deadline + margin for hung faults).
+        recover_rooms: Consecutive verified successes that count as recovered.
+        recover_timeout_s: Bound on the recovery.
+        rooms: Rooms per driver batch (``max_active`` is half of it).
+        threads: Transfer workers of the manager.
+        plant_bug: Test only: one of :data:`PLANTED_BUGS`.
+    """
+
+    seed: int = 0
+    kinds: tuple[str, ...] = KINDS
+    rates_bit: tuple[int, ...] = (1_000_000_000,)
+    lead_s: float = 0.3
+    after_s: float = 0.9
+    recover_rooms: int = 8
+    recover_timeout_s: float = 6.0
+    rooms: int = 16
+    threads: int = 2
+    plant_bug: str | None = None
+
+    @classmethod
+    def quick(cls, seed: int = 0, plant_bug: str | None = None) -> Plan:
+        """The ``--quick`` preset (and the CI test's): every fault once at 1 Gbit/s."""
+        return cls(seed=seed, plant_bug=plant_bug)
+
+    @classmethod
+    def full(cls, seed: int = 0, plant_bug: str | None = None) -> Plan:
+        """The full preset: every fault at 1 and at 10 Gbit/s, longer windows."""
+        return cls(
+            seed=seed,
+            rates_bit=(1_000_000_000, 10_000_000_000),
+            lead_s=0.8,
+            after_s=1.2,
+            recover_rooms=16,
+            rooms=24,
+            plant_bug=plant_bug,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        data["kinds"] = tuple(data["kinds"])
+        data["rates_bit"] = tuple(data["rates_bit"])
+        return cls(**data)
+
+
+# =========================================================================== parent side
+
+
+class TwoHosts:
+    name = "two-hosts"
+    description = (
+        "decode peer in its own netns behind a shaped veth (UCX over TCP): kill, stop, "
+        "partition/heal, restart"
+    )
+    default_duration = 30.0
+    invariants = INVARIANTS
+
+    def run(self, config: StressConfig, monitor: Monitor) -> ScenarioMetrics:
+        """Run the plan (``--quick``: every fault once at 1 Gbit/s; else at 1 and 10 Gbit/s
+        with longer windows) in a sender child over a new topology; print the per-fault
+        table; count the child's violations here. Where no namespace can be made, report
+        ``skipped`` with the reason (printed on stderr) and check nothing.
+
+        Thread-safety: called by the framework on one thread. Raises: nothing (a failed
+        child is counted under ``no-escaped-exception``).
+        """
+        reason = unavailable_reason()
+        if reason is not None:
+            print(f"note: two-hosts skipped: {reason}", file=sys.stderr, flush=True)
+            return ScenarioMetrics(extra={"skipped": reason})
+        maker = Plan.quick if config.quick else Plan.full
+        bug = config.plant_bug if config.plant_bug in PLANTED_BUGS else None
+        plan = maker(seed=config.seed, plant_bug=bug)
+        counters = monitor.counters()
+
+        def progress(rooms: int, ops: int, faults: int) -> None:
+            counters.rooms, counters.ops, counters.faults = rooms, ops, faults
+
+        limit = max(120.0, 6 * monitor.duration_s)
+        result = run_two_hosts(plan, timeout_s=limit, on_progress=progress)
+        relay_violations(result, monitor)
+        print(format_phases(result), flush=True)
+        return ScenarioMetrics(extra=summary(result))
+
+
+def relay_violations(result: dict[str, Any], monitor: Monitor) -> None:
+    """Count the child's invariant violations in ``monitor`` (examples first)."""
+    for inv in result.get("invariants", []):
+        examples = list(inv.get("examples", []))
+        for i in range(int(inv.get("violations", 0))):
+            detail = examples[i] if i < len(examples) else "(see the first examples)"
+            monitor.violation(str(inv["name"]), detail)
+    if result.get("error"):
+        monitor.violation("no-escaped-exception", f"two-hosts child: {result['error']}")
+
+
+def format_phases(result: dict[str, Any]) -> str:
+    """The per-fault figures as a text table (what ``python -m stress two-hosts`` prints;
+    ``--json`` has every figure)."""
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, bool):
+            return "yes" if v else "NO"
+        if isinstance(v, float):
+            return f"{v:.0f}" if abs(v) >= 10 else f"{v:.1f}"
+        return str(v)
+
+    head = [
+        "fault",
+        "rate",
+        "in flight",
+        "failed",
+        "fault->Failed ms",
+        "goal ms",
+        "goal",
+        "opened after",
+        "their max ms",
+        "leaks",
+        "corrupt",
+        "early reuse",
+        "recovered",
+        "1st ok ms",
+        "canary",
+    ]
+    rows = [head]
+    for ph in result.get("phases", []):
+        if ph.get("kind") in ("baseline", "notices"):
+            continue
+        c = ph.get("canary") or {}
+        canary = "-"
+        if c:
+            landed = cell(c.get("landed_after_repair_ms"))
+            canary = f"{c.get('outcome', c.get('post'))}, landed +{landed} ms"
+        after_max = (
+            ph.get("opened_after_eviction_ms_max")
+            if ph["kind"] == "evict"
+            else ph.get("opened_after_ms_max")
+        )
+        rows.append(
+            [
+                ph["kind"],
+                f"{ph.get('rate_bit', 0) / 1e9:g}G",
+                cell(ph["in_flight"]),
+                cell(ph["in_flight_failed"]),
+                cell(ph["fault_to_failed_ms_max"]),
+                cell(ph["goal_ms"]),
+                cell(ph["goal_met"]),
+                cell(ph["opened_after"]),
+                cell(after_max),
+                cell(ph["leaks"]),
+                cell(ph["corruption"]),
+                cell(ph["early_reuse"]),
+                cell(ph["recovered"]),
+                cell(ph["first_success_after_repair_ms"]),
+                canary,
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    for ph in result.get("phases", []):
+        if ph.get("kind") == "notices":
+            lat, idle, dlv = ph["latency_ms"], ph["idle_latency_ms"], ph["delivery_ms"]
+            lines.append(
+                f"room notices at {ph.get('rate_bit', 0) / 1e9:g}G: {ph['learnt']}/{ph['judged']} "
+                f"failed rooms known at the peer; purge->learnt p50 {cell(lat['p50'])} / p99 "
+                f"{cell(lat['p99'])} ms (nothing in flight: p50 {cell(idle['p50'])} / p99 "
+                f"{cell(idle['p99'])} ms); send->learnt p50 {cell(dlv['p50'])} / p99 "
+                f"{cell(dlv['p99'])} ms"
+            )
+    if result.get("partition_behaviour"):
+        lines.append(f"partition: {result['partition_behaviour']}")
+    if result.get("skipped"):
+        lines = [f"two-hosts skipped: {result['skipped']}"]
+    return "\n".join(lines)
+
+
+def summary(result: dict[str, Any]) -> dict[str, JSONValue]:
+    """The scenario's report: per fault, the measured figures (see :func:`run_child`)."""
+    out: dict[str, JSONValue] = {
+        "link": result.get("link"),
+        "partition_behaviour": result.get("partition_behaviour"),
+        "phases": result.get("phases", []),
+        "decode_told": result.get("decode_told"),
+    }
+    if "skipped" in result:
+        out["skipped"] = result["skipped"]
+    return out
+
+
+def run_two_hosts(
+    plan: Plan,
+    *,
+    timeout_s: float = 120.0,
+    on_progress: Callable[[int, int, int], None] | None = None,
+    stderr: IO[str] | None = None,
+) -> dict[str, Any]:
+    """Make the two-host topology, run ``plan`` in a sender child process over it, tear the
+    topology down (always), and return the child's result.
+
+    Where the topology cannot be made, returns ``{"skipped": reason}``. When the child dies,
+    hangs (killed after ``timeout_s``) or returns nothing, the result has ``"error"``.
+
+    Thread-safety: one call at a time per process is the intended use (each call makes its
+    own uniquely named topology).
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        return {"skipped": reason}
+    with two_host_link() as link, tempfile.TemporaryFile("w+", encoding="utf-8") as err:
+        cmd = [
+            sys.executable,
+            "-c",
+            _CHILD_ENTRY,
+            "--link",
+            link.to_json(),
+            "--plan",
+            plan.to_json(),
+        ]
+        env = child_env(link)
+        if plan.plant_bug == "no-tcp":
+            env.pop("UCX_TLS", None)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=env,
+            text=True,
+        )
+        result: dict[str, Any] | None = None
+        killer = threading.Timer(timeout_s, proc.kill)
+        killer.daemon = True
+        killer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith(_PROGRESS_TAG) and on_progress is not None:
+                    rooms, ops, faults = (int(x) for x in line.split()[1:4])
+                    on_progress(rooms, ops, faults)
+                elif line.startswith(_RESULT_TAG):
+                    result = json.loads(line[len(_RESULT_TAG) :])
+            status = proc.wait(timeout=30)
+        finally:
+            killer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        err.seek(0)
+        tail = err.read()[-4000:]
+        if stderr is not None and tail:
+            stderr.write(tail)
+        left = link.pids_inside()
+    if result is None:
+        result = {"error": f"child exited with status {status} and no result; stderr tail:\n{tail}"}
+    elif status != 0 and not result.get("error"):
+        result["error"] = f"child exited with status {status}"
+    if left:
+        result.setdefault("error", f"processes left in the namespace: {left}")
+    result["stderr_tail"] = tail
+    cleanup_stale()  # the child's own names, if it made any and died
+    return result
+
+
+# =========================================================================== child side
+
+
+class NetnsRig(SenderRig):
+    """A :class:`SenderRig` whose decode peers run in the link's namespace (UCX over TCP),
+    reached on the namespace's address. The rig's transport, pools, injector (no faults) and
+    managers are the base class's."""
+
+    def __init__(
+        self,
+        config: StressConfig,
+        sessions: tuple[str, ...],
+        peer_pages: int,
+        link: TwoHostLink,
+        peer_env: dict[str, str] | None = None,
+    ) -> None:
+        self.link = link
+        super().__init__(config, (), peer_pages)  # no loopback peers
+        self.sessions = sessions
+        try:
+            for sid in sessions:
+                peer = PeerProcess(
+                    peer_pages,
+                    PAGE_BYTES,
+                    name=sid,
+                    rpc_timeout_s=2.0,
+                    stderr=subprocess.DEVNULL,
+                    netns=link.netns,
+                    host=link.peer_addr,
+                    env=link.peer_env() if peer_env is None else peer_env,
+                )
+                self._stack.callback(peer.close)
+                self.peers[sid] = peer
+                self.tx.add_peer(sid, peer.metadata)
+        except BaseException:
+            self.close()
+            raise
+
+
+@dataclass
+class _Track:
+    """What one phase saw (scheduler thread writes, fault thread reads after joins)."""
+
+    handles: dict[int, RoomHandle] = field(default_factory=dict)
+    outcomes: list[RoomOutcome] = field(default_factory=list)
+    last_user: dict[int, tuple[int, KVPoll | None]] = field(default_factory=dict)
+    early_reuse: list[str] = field(default_factory=list)
+    streak: int = 0
+
+
+class _Child:
+    """The run inside the sender child (one instance per child process)."""
+
+    def __init__(self, link: TwoHostLink, plan: Plan) -> None:
+        self.link = link
+        self.plan = plan
+        self.config = StressConfig(
+            threads=plan.threads,
+            rooms=plan.rooms,
+            chunks=8,
+            fault_rate=0.0,
+            seed=plan.seed,
+            switch_interval=1e-4,
+            lock="mutex",
+            quick=True,
+            watchdog_s=10.0,
+            plant_bug=plan.plant_bug,
+        )
+        self.monitor = Monitor("two-hosts", INVARIANTS, duration_s=3600.0, watchdog_s=10.0)
+        self.control_down = threading.Event()  # the harness does not read pages now
+        # Held by every page read; the fault thread takes it after setting control_down, so
+        # no read is left half-way (blocked for the RPC timeout) when the fault hits.
+        self._rpc_gate = threading.Lock()
+        self.add_peer_retries = 0
+        self.track = _Track()
+        self.phases: list[dict[str, JSONValue]] = []
+        self.done_rooms = 0
+        self.faults = 0
+        self._stop_progress = threading.Event()
+        self._rig: NetnsRig | None = None
+        self._on_failed: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------------ entry
+
+    def run(self) -> dict[str, Any]:
+        printer = threading.Thread(target=self._progress_loop, name="progress", daemon=True)
+        printer.start()
+        old_switch = sys.getswitchinterval()
+        sys.setswitchinterval(self.config.switch_interval)
+        out: dict[str, Any] = {
+            "link": {
+                "netns": self.link.netns,
+                "subnet": self.link.subnet,
+                "host_if": self.link.host_if,
+            }
+        }
+        try:
+            peer_env = self.link.peer_env()
+            if self.plan.plant_bug == "no-tcp":
+                peer_env.pop("UCX_TLS")
+            rig = NetnsRig(self.config, (SESSION,), PEER_PAGES, self.link, peer_env)
+            try:
+                self._rig = rig
+                self._phases(rig)
+            finally:
+                self._rig = None
+                out["decode_told"] = rig.notices.summary()
+                rig.close()
+        except Exception as exc:
+            self.monitor.exception(exc, "two-hosts child")
+            import traceback
+
+            out["error"] = traceback.format_exc()[-3000:]
+        finally:
+            self.monitor.stop.set()
+            self.monitor.join_all(timeout=10.0)
+            sys.setswitchinterval(old_switch)
+            self._stop_progress.set()
+            printer.join(5)
+        out["phases"] = self.phases
+        out["partition_behaviour"] = _partition_behaviour(self.phases)
+        out["invariants"] = [
+            {"name": r.name, "violations": r.violations, "examples": list(r.examples)}
+            for r in self.monitor.reports()
+        ]
+        return out
+
+    def _progress_loop(self) -> None:
+        while not self._stop_progress.wait(0.5):
+            print(
+                f"{_PROGRESS_TAG}{self.done_rooms} {self.done_rooms * 8} {self.faults}", flush=True
+            )
+
+    def _phases(self, rig: NetnsRig) -> None:
+        first = True
+        for rate in self.plan.rates_bit:
+            self.link.shape(rate)
+            if first:
+                self._baseline(rig)
+                first = False
+            self.phases.append(self._notice_round(rig, rate))
+            for kind in self.plan.kinds:
+                if kind not in KINDS:
+                    raise ValueError(f"unknown fault kind {kind!r}")
+                self.phases.append(self._phase(rig, kind, rate))
+
+    # ------------------------------------------------------------------ scheduler plumbing
+
+    def _digest(self, session_id: str, pages: Sequence[int]) -> list[str]:
+        with self._rpc_gate:
+            if self.control_down.is_set() or self._rig is None:
+                raise PeerError("the harness reads no pages while the fault is on")
+            return self._rig.digest(session_id, pages)
+
+    def _cut_control(self) -> None:
+        """Stop reading pages at the peer (its control channel shares the link) and wait for
+        a read in progress to finish."""
+        self.control_down.set()
+        with self._rpc_gate:
+            pass
+
+    def _add_peer(self, rig: NetnsRig, metadata: bytes) -> None:
+        """``add_peer`` as an engine would: retried for a while (a connection attempt right
+        after a repair may be refused)."""
+        for attempt in range(40):
+            try:
+                rig.tx.add_peer(SESSION, metadata)
+                return
+            except Exception:
+                if attempt == 39:
+                    raise
+                self.add_peer_retries += 1
+                time.sleep(0.05)
+
+    def _driver(self, rig: NetnsRig) -> SchedulerDriver:
+        track = self.track
+        mgr = rig.mgr
+        monitor = self.monitor
+        driver = SchedulerDriver(mgr, {SESSION: ROOM_PAGES}, self._digest)
+
+        def on_admit(handle: RoomHandle, _abort: bool) -> None:
+            track.handles[handle.room] = handle
+
+        def on_conclude(o: RoomOutcome) -> None:
+            rig.audit.record(o)
+            track.outcomes.append(o)
+            self.done_rooms += 1
+            for p in o.dst_pages:
+                track.last_user[p] = (o.room, o.status)
+            if o.status is KVPoll.Success and o.verified:
+                track.streak += 1
+            else:
+                track.streak = 0
+            if o.status is KVPoll.Failed and self._on_failed is not None:
+                self._on_failed()
+
+        def before_reuse(session_id: str, pages: Sequence[int]) -> None:
+            for p in pages:
+                prev = track.last_user.get(p)
+                if prev is None or prev[1] is KVPoll.Success:
+                    continue
+                handle = track.handles.get(prev[0])
+                if handle is not None and mgr.draining(handle) > 0:
+                    text = (
+                        f"decode page {p} handed to a new room while failed room "
+                        f"{prev[0]} still drains ({mgr.draining(handle)} transfers)"
+                    )
+                    track.early_reuse.append(text)
+                    monitor.violation(NO_EARLY_REUSE, text)
+            for text in rig.audit.check_pages(self._digest, session_id, pages):
+                monitor.violation(DECODE_PAGE_AUDIT, text)
+
+        driver.on_admit = on_admit
+        driver.on_conclude = on_conclude
+        driver.before_reuse = before_reuse
+        return driver
+
+    def _traffic(
+        self,
+        rig: NetnsRig,
+        driver: SchedulerDriver,
+        running: Callable[[], bool],
+        **more: Any,
+    ) -> threading.Thread:
+        overrides: dict[str, Any] = {"deadline_s": 30.0, "reuse": "lifo", **more}
+        if self.plan.plant_bug == "quarantine":
+            overrides.update(release_rule="quarantine", quarantine_s=0.0)
+        return self.monitor.spawn(
+            rig.scheduler(self.monitor, driver=driver, running=running, overrides=overrides),
+            "scheduler",
+        )
+
+    def _join(self, thread: threading.Thread, what: str) -> None:
+        thread.join(30.0)
+        if thread.is_alive():
+            self.monitor.deadlock(f"{what}: the scheduler did not stop within 30 s")
+            raise RuntimeError(f"{what}: scheduler stuck")
+
+    # ------------------------------------------------------------------ baseline
+
+    def _baseline(self, rig: NetnsRig) -> None:
+        """Healthy rooms over the link: every one succeeds, and the bytes are on the veth."""
+        self.track = _Track()
+        before = self.link.counters()
+        qdisc_before = self.link.qdisc_sent_bytes() or 0
+        driver = self._driver(rig)
+        want = self.plan.recover_rooms * 2
+        end = time.monotonic() + self.plan.recover_timeout_s
+        t = self._traffic(
+            rig, driver, lambda: len(self.track.outcomes) < want and time.monotonic() < end
+        )
+        self._join(t, "baseline")
+        grown = self.link.counters().minus(before)
+        qdisc = (self.link.qdisc_sent_bytes() or 0) - qdisc_before
+        ok = [o for o in self.track.outcomes if o.status is KVPoll.Success and o.verified]
+        payload = len(ok) * self.config.chunks * PAGE_BYTES
+        if len(ok) < want:
+            self.monitor.violation(RECOVERED, f"baseline: only {len(ok)}/{want} rooms succeeded")
+        if grown.tx_bytes < payload or qdisc < payload:
+            self.monitor.violation(
+                OVER_THE_LINK,
+                f"{payload} bytes of verified rooms but only {grown.tx_bytes} left by "
+                f"{self.link.host_if} ({qdisc} through its qdisc)",
+            )
+        self.phases.append(
+            {
+                "kind": "baseline",
+                "rooms": len(self.track.outcomes),
+                "verified": len(ok),
+                "payload_bytes": payload,
+                "veth_tx_bytes": grown.tx_bytes,
+                "qdisc_sent_bytes": qdisc,
+                "veth_rx_bytes": grown.rx_bytes,
+            }
+        )
+        self._check_quiet(rig, "baseline")
+        self._next_manager(rig)
+
+    # ------------------------------------------------------------------ room notices
+
+    def _notice_round(self, rig: NetnsRig, rate: int) -> dict[str, JSONValue]:
+        """Rooms over the healthy link, about half of them aborted by the scheduler (some
+        with chunks in flight); the manager's close, drain and ``decode-told`` check follow:
+        every aborted room must be known as failed at the peer. Returns the figures."""
+        self.track = _Track()
+        driver = self._driver(rig)
+        mark, before = rig.notices.mark(), dict(rig.notices.counts)
+        end = time.monotonic() + self.plan.recover_timeout_s
+        t = self._traffic(
+            rig,
+            driver,
+            lambda: len(self.track.outcomes) < NOTICE_ROOMS and time.monotonic() < end,
+            abort_rate=NOTICE_ABORT_RATE,
+            abort_lag_s=0.0,
+        )
+        self._join(t, "notices")
+        self._next_manager(rig)
+        told = rig.notices.summary(mark)
+        counts = {k: int(rig.notices.counts[k]) - int(before[k]) for k in before}
+        return {
+            "kind": "notices",
+            "rate_bit": rate,
+            "rooms": len(self.track.outcomes),
+            "failed": sum(o.status is KVPoll.Failed for o in self.track.outcomes),
+            **{k: counts[k] for k in ("judged", "learnt", "missing", "notices_sent")},
+            "latency_ms": told["latency_ms"],
+            "idle_latency_ms": told["idle_latency_ms"],
+            "delivery_ms": told["delivery_ms"],
+            "goal_met": told["goal_met"],
+        }
+
+    # ------------------------------------------------------------------ one fault
+
+    def _next_manager(self, rig: NetnsRig) -> None:
+        """Close the phase's manager with the rig's end checks (drain, nothing left, chunks
+        counted once), judge the decode pages, and start a fresh manager on the same
+        transport."""
+        rig.finish_manager(self.monitor)
+        rig.audit_pages(self.monitor)
+        rig.make_manager()
+
+    def _phase(self, rig: NetnsRig, kind: str, rate: int) -> dict[str, JSONValue]:
+        before = {r.name: r.violations for r in self.monitor.reports()}
+        if self.plan.plant_bug == "no-fail-session":
+            rig.mgr.fail_session_on_disconnect = False
+        self.track = _Track()
+        track = self.track
+        peer = rig.peers[SESSION]
+        canary_src = np.arange(CANARY_PAGES, dtype=np.int64)
+        canary_dst = np.arange(ROOM_PAGES, PEER_PAGES, dtype=np.int64)
+        with rig.peer_lock:
+            peer.zero_pages(canary_dst.tolist())
+        driver = self._driver(rig)
+        evicted_at: list[float] = []
+        in_fault = threading.Event()
+
+        def evict() -> None:  # scheduler thread, as soon as a room concluded Failed
+            if in_fault.is_set() and not evicted_at:
+                # The engine's health check: the session is gone until the link heals.
+                rig.tx.remove_peer(SESSION)
+                evicted_at.append(time.monotonic())
+
+        self._on_failed = evict if kind == "evict" else None
+        phase_over = threading.Event()
+        retries_before = self.add_peer_retries
+        link_before = self.link.counters()
+        t = self._traffic(rig, driver, lambda: not phase_over.is_set())
+        time.sleep(self.plan.lead_s)
+        canary: dict[str, JSONValue] = {}
+        # decode-told: rooms living around the fault are not judged; a killed or replaced
+        # peer's notices are fetched first (the new process knows nothing).
+        if kind in ("kill", "restart"):
+            rig.harvest_notices(SESSION)
+        window = rig.notices.fault(SESSION, time.monotonic())
+        self._cut_control()
+        # Strike while chunks are posted and not done: rooms are then really in flight
+        # (not just waiting for the scheduler to notice that they are complete).
+        busy = self._wait_busy(rig, 1.0)
+        in_fault.set()
+        fault_at = self._inject(rig, kind)
+        self.faults += 1
+        canary_xfer = None
+        if kind in ("stop", "partition", "evict"):
+            canary_xfer, canary = self._post_canary(rig, canary_src, canary_dst)
+        if kind == "restart":
+            # The replacement is up: the control channel works again.
+            self.control_down.clear()
+        time.sleep(max(0.0, fault_at + self.plan.after_s - time.monotonic()))
+        phase_over.set()
+        self._join(t, f"{kind}: fault window")
+        fault_window_end = time.monotonic()
+        if self.plan.plant_bug == "leak-slot":
+            rig.pool.acquire(("planted-leak", kind), timeout=5.0)
+        # Every room of the fault window concluded; only hung transfers may be held.
+        held = self._held_during_fault(rig, f"{kind} (fault still on)")
+        repaired_at = self._repair(rig, kind)
+        rig.notices.fault_end(window, repaired_at)
+        self.control_down.clear()
+        if canary_xfer is not None:
+            canary.update(self._watch_canary(rig, canary_xfer, canary_src, canary_dst, repaired_at))
+        # Recovery: new rooms over the same transport until a streak of verified successes.
+        phase_over.clear()
+        in_fault.clear()
+        track.streak = 0
+        n_before = len(track.outcomes)
+        want = self.plan.recover_rooms
+        end = time.monotonic() + self.plan.recover_timeout_s
+        t = self._traffic(rig, driver, lambda: track.streak < want and time.monotonic() < end)
+        self._join(t, f"{kind}: recovery")
+        self._on_failed = None
+        recovery = track.outcomes[n_before:]
+        self._check_quiet(rig, f"{kind} (after the recovery)")
+        link_grown = self.link.counters().minus(link_before)
+        figures = self._figures(
+            kind,
+            fault_at,
+            fault_window_end,
+            repaired_at,
+            evicted_at[0] if evicted_at else None,
+            recovery,
+        )
+        self._next_manager(rig)
+        after = {r.name: r.violations for r in self.monitor.reports()}
+        figures.update(
+            {
+                "rate_bit": rate,
+                "transfers_in_flight_at_fault": busy,
+                "held_while_fault_on": held,
+                "add_peer_retries": self.add_peer_retries - retries_before,
+                "canary": canary,
+                "veth_tx_bytes": link_grown.tx_bytes,
+                "veth_tx_dropped": link_grown.tx_dropped,
+                "violations": {
+                    k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)
+                },
+                "leaks": after.get(NO_LEAK, 0) - before.get(NO_LEAK, 0),
+                "corruption": after.get(DECODE_PAGE_AUDIT, 0) - before.get(DECODE_PAGE_AUDIT, 0),
+                "verify_failures": after.get(BYTES_VERIFIED, 0) - before.get(BYTES_VERIFIED, 0),
+                "early_reuse": len(track.early_reuse),
+            }
+        )
+        return figures
+
+    @staticmethod
+    def _wait_busy(rig: NetnsRig, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while rig.mgr.stats().transfers_inflight == 0:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def _inject(self, rig: NetnsRig, kind: str) -> float:
+        peer = rig.peers[SESSION]
+        if kind == "stop":
+            peer.stop()
+            return time.monotonic()
+        if kind in ("partition", "evict"):
+            self.link.partition()
+            return time.monotonic()
+        if kind == "kill":
+            peer.kill()
+            at = time.monotonic()
+            rig.audit.peer_reset(SESSION, at)
+            return at
+        # restart: the old process goes away (SIGTERM: it closes its agent) and a new one
+        # comes up; then the session, same id, is pointed at the new metadata.
+        at = time.monotonic()
+        rig.audit.peer_reset(SESSION, at)
+        with rig.peer_lock:
+            peer.restart()
+            rig.tx.remove_peer(SESSION)
+            self._add_peer(rig, peer.metadata)
+        return at
+
+    def _repair(self, rig: NetnsRig, kind: str) -> float:
+        peer = rig.peers[SESSION]
+        if self.plan.plant_bug == "no-repair":
+            return time.monotonic()
+        if kind == "stop":
+            peer.cont()
+        elif kind in ("partition", "evict"):
+            self.link.heal()
+            if kind == "evict" and not rig.tx.has_peer(SESSION):
+                self._add_peer(rig, peer.metadata)
+        elif kind == "kill":
+            with rig.peer_lock:
+                rig.tx.remove_peer(SESSION)
+                peer.restart()
+                self._add_peer(rig, peer.metadata)
+        return time.monotonic()
+
+    # ------------------------------------------------------------------ canary
+
+    def _post_canary(
+        self, rig: NetnsRig, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]
+    ) -> tuple[Any, dict[str, JSONValue]]:
+        """A write posted into the fault with the transfer deadline: what NIXL/UCX says
+        about it, and whether NIXL still has it in progress after our deadline. The handle
+        is kept (as the manager keeps a hung chunk) and watched after the repair."""
+        t0 = time.monotonic()
+        try:
+            x = rig.tx.write_pages(SESSION, src, dst, timeout_s=TRANSFER_TIMEOUT_S)
+        except Exception as exc:
+            return None, {"post": f"{type(exc).__name__}: {exc}"}
+        outcome = "DONE"
+        try:
+            x.wait(TRANSFER_TIMEOUT_S * 4)
+        except Exception as exc:
+            outcome = type(exc).__name__
+        ended = time.monotonic() - t0
+        return x, {
+            "outcome": outcome,
+            "outcome_after_ms": round(ended * 1e3, 1),
+            "in_progress_after_deadline": not x.settled(),
+        }
+
+    def _watch_canary(
+        self,
+        rig: NetnsRig,
+        xfer: Any,
+        src: np.ndarray[Any, Any],
+        dst: np.ndarray[Any, Any],
+        repaired_at: float,
+    ) -> dict[str, JSONValue]:
+        """After the repair: when NIXL reports the canary settled (it was never released,
+        unless ``remove_peer`` released it), and when its bytes land at the peer."""
+        want = [page_digest_bytes(rig.kv[int(p)].numpy().tobytes()) for p in src]
+        end = repaired_at + CANARY_WATCH_S
+        settled_ms: float | None = None
+        landed_ms: float | None = None
+        was_released = bool(xfer.released)
+        while time.monotonic() < end and (settled_ms is None or landed_ms is None):
+            now_ms = round((time.monotonic() - repaired_at) * 1e3, 1)
+            if settled_ms is None and xfer.settled():
+                settled_ms = now_ms
+            if landed_ms is None:
+                try:
+                    if rig.digest(SESSION, dst.tolist()) == want:
+                        landed_ms = now_ms
+                except PeerError:
+                    pass
+            time.sleep(0.01)
+        xfer.release()
+        return {
+            "released_before_repair": was_released,
+            "settled_after_repair_ms": settled_ms,
+            "landed_after_repair_ms": landed_ms,
+        }
+
+    # ------------------------------------------------------------------ checks & figures
+
+    def _check_quiet(self, rig: NetnsRig, what: str) -> None:
+        """Every room concluded: after ``wait_drained`` nothing may be held anywhere
+        (tables, staging keys, slots, live transfer handles)."""
+        mgr = rig.mgr
+        if not mgr.wait_drained(None, 5.0):
+            self.monitor.violation(NO_LEAK, f"{what}: {mgr.draining()} transfers still draining")
+        st = mgr.stats()
+        if st.open_rooms or st.transfers_inflight or st.transfers_draining:
+            self.monitor.violation(NO_LEAK, f"{what}: manager {st}")
+        self._check_tables(rig, what)
+        ps = rig.pool.stats()
+        if ps.in_use or ps.owners:
+            self.monitor.violation(NO_LEAK, f"{what}: {ps.in_use} staging slots leased")
+        live = rig.tx.stats().live_transfers
+        if live:
+            self.monitor.violation(NO_LEAK, f"{what}: {live} live transfer handles")
+        for room in self.track.handles:
+            left = mgr.footprint(room)
+            if left:
+                self.monitor.violation(NO_LEAK, f"{what}: room {room} still in {left}")
+
+    def _check_tables(self, rig: NetnsRig, what: str) -> None:
+        mgr = rig.mgr
+        if mgr.stats().open_rooms:
+            self.monitor.violation(NO_LEAK, f"{what}: {mgr.stats().open_rooms} rooms open")
+        snap = mgr.staging.snapshot()
+        if snap.open_rooms or snap.prefetched_rooms or snap.prefetch_requested:
+            self.monitor.violation(NO_LEAK, f"{what}: staging keys left")
+
+    def _held_during_fault(self, rig: NetnsRig, what: str) -> dict[str, JSONValue]:
+        """While the fault is still on, every room concluded: no table or staging key may be
+        left; transfers NIXL still has in progress (hung past their deadline) are kept,
+        with their slots (never more slots than such transfers)."""
+        mgr = rig.mgr
+        mgr.wait_drained(None, 0.2)
+        self._check_tables(rig, what)
+        draining = mgr.draining()
+        slots = rig.pool.stats().in_use
+        if slots > draining:
+            self.monitor.violation(
+                NO_LEAK, f"{what}: {slots} staging slots leased, only {draining} transfers hung"
+            )
+        return {
+            "transfers_held": draining,
+            "slots_held": slots,
+            "live_handles": rig.tx.stats().live_transfers,
+        }
+
+    def _figures(
+        self,
+        kind: str,
+        fault_at: float,
+        window_end: float,
+        repaired_at: float,
+        evicted_at: float | None,
+        recovery: Sequence[RoomOutcome],
+    ) -> dict[str, JSONValue]:
+        hung = kind in ("stop", "partition", "evict")
+        goal = TRANSFER_TIMEOUT_S + HUNG_GOAL_SLACK_S if hung else KILL_BOUND_S
+        bound = TRANSFER_TIMEOUT_S + HUNG_LIMIT_SLACK_S if hung else KILL_BOUND_S
+        # A room opened while the peer is hung (and still a peer of the transport) may wait
+        # up to one deadline for a worker (each polls a hung chunk until its deadline),
+        # then its own chunk's deadline.
+        after_bound = 2 * TRANSFER_TIMEOUT_S + HUNG_LIMIT_SLACK_S
+        window = [o for o in self.track.outcomes if o.started_at < window_end]
+        in_flight = [o for o in window if o.started_at < fault_at < o.concluded_at]
+        after = [o for o in window if o.started_at >= fault_at]
+        failed_at = [o.concluded_at - fault_at for o in in_flight if o.status is KVPoll.Failed]
+        detected = min(
+            (
+                o.concluded_at
+                for o in window
+                if o.status is KVPoll.Failed and o.concluded_at > fault_at
+            ),
+            default=None,
+        )
+        for o in in_flight:  # a Success here had its bytes through before the fault
+            if o.concluded_at - fault_at > bound:
+                self.monitor.violation(
+                    FAULT_TO_FAILED,
+                    f"{kind}: room {o.room} (in flight) ended {o.status!r} "
+                    f"{(o.concluded_at - fault_at) * 1e3:.0f} ms after the fault "
+                    f"(limit {bound * 1e3:.0f} ms; goal {goal * 1e3:.0f} ms)",
+                )
+        if not in_flight:
+            self.monitor.violation(FAULT_TO_FAILED, f"{kind}: no room was in flight at the fault")
+        # Rooms opened after the fault: each fails within its bound of its own opening (for
+        # `evict`, the bound is the dead-peer one once the session was evicted).
+        after_lat: list[float] = []
+        after_evicted_lat: list[float] = []
+        for o in after:
+            lat = o.concluded_at - o.started_at
+            evicted = evicted_at is not None and o.started_at >= evicted_at
+            own = KILL_BOUND_S if evicted or not hung else after_bound
+            (after_evicted_lat if evicted else after_lat).append(lat)
+            if o.status is KVPoll.Success and hung:
+                self.monitor.violation(
+                    FAIL_FAST,
+                    f"{kind}: room {o.room} opened after the fault succeeded while it was on",
+                )
+            if lat > own:
+                self.monitor.violation(
+                    FAIL_FAST,
+                    f"{kind}: room {o.room} opened {(o.started_at - fault_at) * 1e3:.0f} ms "
+                    f"after the fault took {lat * 1e3:.0f} ms (limit {own * 1e3:.0f} ms)",
+                )
+        first_ok = next(
+            (o.concluded_at for o in recovery if o.status is KVPoll.Success and o.verified), None
+        )
+        streak_ok = self.track.streak >= self.plan.recover_rooms
+        if not streak_ok:
+            self.monitor.violation(
+                RECOVERED,
+                f"{kind}: no streak of {self.plan.recover_rooms} verified rooms within "
+                f"{self.plan.recover_timeout_s:g} s of the repair "
+                f"({sum(o.status is KVPoll.Success for o in recovery)}/{len(recovery)} ok)",
+            )
+
+        def ms(v: float | None) -> float | None:
+            return None if v is None or math.isnan(v) else round(v * 1e3, 1)
+
+        return {
+            "kind": kind,
+            "goal_ms": ms(goal),
+            "goal_met": bool(in_flight)
+            and all(o.concluded_at - fault_at <= goal for o in in_flight),
+            "limit_ms": ms(bound),
+            "opened_after_limit_ms": ms(after_bound if hung else KILL_BOUND_S),
+            "in_flight": len(in_flight),
+            "in_flight_failed": len(failed_at),
+            "in_flight_succeeded": sum(o.status is KVPoll.Success for o in in_flight),
+            "fault_to_failed_ms_max": ms(max(failed_at, default=math.nan)),
+            "fault_to_failed_ms_min": ms(min(failed_at, default=math.nan)),
+            "detected_after_ms": ms(None if detected is None else detected - fault_at),
+            "evicted_after_ms": ms(None if evicted_at is None else evicted_at - fault_at),
+            "opened_after": len(after),
+            "opened_after_failed": sum(o.status is KVPoll.Failed for o in after),
+            "opened_after_ms_max": ms(max(after_lat, default=math.nan)),
+            "opened_after_eviction": len(after_evicted_lat),
+            "opened_after_eviction_ms_max": ms(max(after_evicted_lat, default=math.nan)),
+            "errors": _error_counts(window),
+            "repair_ms": ms(repaired_at - window_end),
+            "recovery_rooms": len(recovery),
+            "recovery_failed": sum(o.status is KVPoll.Failed for o in recovery),
+            "first_success_after_repair_ms": ms(
+                None if first_ok is None else first_ok - repaired_at
+            ),
+            "recovered": streak_ok,
+        }
+
+
+def _error_counts(outcomes: Sequence[RoomOutcome]) -> dict[str, JSONValue]:
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        if o.status is KVPoll.Failed:
+            key = o.error or "none"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _partition_behaviour(phases: Sequence[dict[str, JSONValue]]) -> str | None:
+    """One line: what NIXL/UCX did with the canary write posted into the partition."""
+    for ph in phases:
+        c = ph.get("canary")
+        if ph.get("kind") != "partition" or not isinstance(c, dict):
+            continue
+        if "post" in c:
+            return f"posting into the partition raised {c['post']}"
+        landed = c.get("landed_after_repair_ms")
+        return (
+            f"a write posted into the partition: no error from NIXL/UCX; {c.get('outcome')} "
+            f"(our deadline) after {c.get('outcome_after_ms')} ms, still in progress in NIXL "
+            f"after it: {c.get('in_progress_after_deadline')}; after the heal NIXL reported it "
+            f"done {c.get('settled_after_repair_ms')} ms later and its bytes "
+            + (f"landed {landed} ms after the heal" if landed is not None else "did not land")
+        )
+    return None
+
+
+def child_main(argv: Sequence[str]) -> int:
+    """Entry point of the sender child (started by :func:`run_two_hosts`)."""
+    ap = argparse.ArgumentParser(prog="two-hosts child")
+    ap.add_argument("--link", required=True)
+    ap.add_argument("--plan", required=True)
+    args = ap.parse_args(list(argv))
+    link = TwoHostLink.from_json(args.link)
+    plan = Plan.from_json(args.plan)
+    if plan.plant_bug is not None and plan.plant_bug not in PLANTED_BUGS:
+        ap.error(f"unknown planted bug {plan.plant_bug!r}")
+    child = _Child(link, plan)
+    result = child.run()
+    sys.stdout.write(f"{_PROGRESS_TAG}{child.done_rooms} {child.done_rooms * 8} {child.faults}\n")
+    sys.stdout.write(_RESULT_TAG + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+register(TwoHosts())
+
+__all__ = [
+    "INVARIANTS",
+    "KINDS",
+    "NetnsRig",
+    "Plan",
+    "TwoHosts",
+    "child_main",
+    "relay_violations",
+    "run_two_hosts",
+    "summary",
+]

@@ -1,0 +1,277 @@
+"""DPOR (``frontrun``) over the post fence: a transfer worker starting a chunk against the
+scheduler clearing (or failing and reporting) the same room, every interleaving with at most
+one preemption.
+
+The guarantee (``docs/THREADING.md``, issue 9 defect 1): once ``clear()`` -- or
+``failure_exception()``, which purges -- has returned, no chunk of that opening is ever
+posted. A worker checks "open and not Failed" and posts under the room's post gate, which the
+purge takes too, so whatever the worker waited on before (prefetch record, staging slot,
+gather), the check it posts on is still true when ``write_pages`` is called.
+
+The manager runs inline (``num_workers=0``) and its ``submit_chunk`` *parks* the chunk
+instead of starting it, so that thread W of the exploration starts it exactly as a transfer
+worker does (``_launch``: check, gate, re-check and register, post; then one poll, which
+ends it: the stand-in transfer is DONE at once). Thread S is the scheduler: ``clear()`` --
+or ``abort()`` then ``failure_exception()`` -- and right after that returns, on the same
+thread, it sets the transport's ``cleared`` flag. The stand-in transport counts every
+``write_pages`` made after the flag was set: a late post. (Setting the flag after the return
+can only hide a late post, never invent one.)
+
+No staging pool: the prefetch record, slot wait and gather only widen the window between the
+first check and the gate, and they cost three times as much (post vs clear at one
+preemption: 518 runs, 44 s, instead of ~190 runs, 10 s).
+
+Invariant (checked after draining, ``wait_drained``): no late post; nothing raised (other
+than the ``KVTransferError`` that ``failure_exception()`` must raise); the room is in no
+table, the staging context or the draining set; every posted transfer was released exactly
+once; the chunk ended exactly once (done, skipped, failed or drained).
+
+Planted bug: a manager whose ``_start_job`` has the shape of the audited code: it checks
+liveness once, then posts without the gate and without checking again (registering only
+after the post). The explorer must find the interleaving in which the clear returns inside
+that window and the post lands after it.
+
+In-memory transport stand-ins because the explorer must schedule every step (see
+``tests/test_dpor_sender.py``); the same fence runs over real NIXL in the sender tests and
+the stress suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import frontrun
+import numpy as np
+import pytest
+import torch
+
+from sender.errors import KVTransferError
+from sender.manager import ChunkJob, KVManager, _Inflight, make_transfer_info
+from sender.nixl_sender import NixlKVSender
+from sender.poll import KVPoll
+from staging import StagingContext
+from tests.test_dpor_sender import EXPLORE, PAGE_BYTES, GuardedTransfer, InstantTransport
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOM = 5
+
+
+@pytest.fixture
+def frontrun_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Let ``frontrun.explore`` run inside plain pytest (see tests/test_dpor_staging.py)."""
+    monkeypatch.setenv("FRONTRUN_ACTIVE", "1")
+    yield
+
+
+class FencedTransport(InstantTransport):
+    """Counts the posts made after the scheduler's clear had returned (``cleared``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cleared = False
+        self.late_posts = 0
+
+    def write_pages(
+        self,
+        session_id: str,
+        src_pages: Sequence[int] | Any,
+        dst_pages: Sequence[int] | Any,
+        notif: bytes | None = None,
+        **kwargs: Any,
+    ) -> GuardedTransfer:
+        if self.cleared:
+            self.late_posts += 1
+        return super().write_pages(session_id, src_pages, dst_pages, notif, **kwargs)
+
+
+class ParkingManager(KVManager):
+    """Inline manager whose ``submit_chunk`` parks each chunk (while ``parking`` is a list)
+    instead of starting it, so that a thread of the exploration starts it."""
+
+    parking: list[ChunkJob] | None = None
+
+    def _launch(self, job: ChunkJob) -> _Inflight | None:
+        if self.parking is not None:
+            self.parking.append(job)
+            return None
+        return super()._launch(job)
+
+
+class UnfencedManager(ParkingManager):
+    """PLANTED BUG (the audited shape, defect 1): liveness checked once, before whatever the
+    worker waits on (here nothing: the window is the check itself); then the post, with no
+    gate and no re-check; the chunk is registered only after the post (and dropped if the
+    room is gone by then)."""
+
+    def _start_job(self, job: ChunkJob) -> _Inflight | None:
+        handle = job.handle
+        with self._room_lock.read():
+            alive = (
+                self._live(handle) is not None
+                and self._request_status.get(handle.room) is not KVPoll.Failed
+            )
+        if not alive:
+            self._count("chunks_skipped")
+            return None
+        inflight = _Inflight(job)
+        inflight.transfer = self.transport.write_pages(
+            job.session_id,
+            job.src_pages,
+            job.dst_pages,
+            b"",
+            src_region=self.kv_region,
+            dst_region=job.dst_region,
+            timeout_s=self.transfer_timeout_s,
+        )
+        with self._room_lock.write():
+            entry = self._live(handle, count=True)
+            if entry is not None:
+                entry.inflight[job.job_id] = inflight
+            else:
+                self._counts["chunks_skipped"] += 1
+        if entry is None:
+            inflight.transfer.release()
+            return None
+        return inflight
+
+
+class FenceRig:
+    """One room, one chunk parked for thread W; thread S clears or fails-and-reports."""
+
+    manager_cls: type[ParkingManager] = ParkingManager
+
+    def __init__(self) -> None:
+        self.transport = FencedTransport()
+        self.kv = torch.zeros((8, PAGE_BYTES), dtype=torch.uint8)
+        self.mgr = self.manager_cls(
+            self.transport,
+            self.kv,
+            num_workers=0,
+            staging=StagingContext(lock="mutex"),
+        )
+        self.sender = NixlKVSender(self.mgr, ROOM, ["d0"], [make_transfer_info("d0", range(4))])
+        self.sender.init(4)
+        parked: list[ChunkJob] = []
+        self.mgr.parking = parked
+        self.sender.send(np.array([0, 1, 2, 3]))
+        self.mgr.parking = None
+        assert len(parked) == 1
+        self.job = parked[0]
+        self.errors: list[BaseException] = []
+        self.reported: BaseException | None = None
+
+    # -- threads
+
+    def worker(self) -> None:
+        """What a transfer worker does with one dequeued chunk (its transfer is DONE at once,
+        so one poll ends it)."""
+        try:
+            inflight = self.mgr._launch(self.job)
+            if inflight is not None and not self.mgr._check(inflight):
+                self.errors.append(AssertionError("a DONE chunk did not end at its first poll"))
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def clear(self) -> None:
+        try:
+            self.sender.clear()
+        except BaseException as exc:
+            self.errors.append(exc)
+        self.transport.cleared = True
+
+    def fail_and_report(self) -> None:
+        """The scheduler gives the room up, then reports its failure (which purges)."""
+        try:
+            self.sender.abort()
+            self.sender.failure_exception()
+        except KVTransferError as exc:
+            self.reported = exc
+        except BaseException as exc:
+            self.errors.append(exc)
+        self.transport.cleared = True
+
+    # -- invariant
+
+    def holds(self) -> bool:
+        assert self.transport.late_posts == 0, (
+            f"{self.transport.late_posts} chunk(s) posted after the room's purge returned"
+        )
+        assert not self.errors, f"raised: {self.errors!r}"
+        drained = self.mgr.wait_drained(None, 1.0)
+        assert drained and self.mgr.draining() == 0, "a purged room's transfer never ended"
+        footprint = self.mgr.footprint(ROOM)
+        assert footprint == (), f"room {ROOM} left in {footprint}"
+        releases = [t.raw_releases for t in self.transport.transfers]
+        assert all(n == 1 for n in releases), f"transfer releases: {releases}"
+        st = self.mgr.stats()
+        ended = st.chunks_done + st.chunks_skipped + st.chunks_failed + st.chunks_drained
+        assert (st.chunks_submitted, ended) == (1, 1), f"chunk not ended exactly once: {st}"
+        assert st.open_rooms == 0 and st.transfers_inflight == 0
+        assert self.mgr.staging.stats().open_rooms == 0
+        return True
+
+    def holds_reported(self) -> bool:
+        assert self.sender.conclude_state is KVPoll.Failed
+        assert isinstance(self.reported, KVTransferError), "failure_exception() did not raise"
+        return self.holds()
+
+
+class UnfencedRig(FenceRig):
+    manager_cls = UnfencedManager
+
+
+# Exhaustive is out of reach (post vs clear: >1,900 runs not finished in 150 s): every
+# interleaving with at most one preemption, which is what the late post needs (the worker
+# preempted between its check and its post, the scheduler's whole clear in between).
+BOUNDED = {**EXPLORE, "preemption_bound": 1}
+
+
+def _explore(rig: type[FenceRig], workers: list[Any], invariant: Any, label: str) -> Any:
+    result = frontrun.explore(setup=rig, workers=workers, invariant=invariant, **BOUNDED)
+    print(f"{label}: {result.num_explored} interleavings explored, holds={result.property_holds}")
+    assert result.num_explored > 0, "frontrun explored nothing (skipped or misconfigured)"
+    return result
+
+
+# The worker goes first (frontrun 0.7 tracks the conflicts of the thread traced before the
+# preemption point best; see tests/test_dpor_sender.py).
+
+
+@pytest.mark.usefixtures("frontrun_enabled")
+def test_worker_post_against_clear_one_preemption() -> None:
+    result = _explore(FenceRig, [FenceRig.worker, FenceRig.clear], FenceRig.holds, "post vs clear")
+    assert result.property_holds is True, result.explanation
+
+
+@pytest.mark.usefixtures("frontrun_enabled")
+def test_worker_post_against_failure_exception_one_preemption() -> None:
+    result = _explore(
+        FenceRig,
+        [FenceRig.worker, FenceRig.fail_and_report],
+        FenceRig.holds_reported,
+        "post vs abort+failure_exception",
+    )
+    assert result.property_holds is True, result.explanation
+
+
+@pytest.mark.usefixtures("frontrun_enabled")
+def test_planted_unfenced_post_against_clear_is_caught() -> None:
+    result = _explore(
+        UnfencedRig, [FenceRig.worker, FenceRig.clear], FenceRig.holds, "planted unfenced vs clear"
+    )
+    assert result.property_holds is False, "the explorer missed the post after clear()"
+    assert "posted after the room's purge returned" in (result.explanation or "")
+
+
+@pytest.mark.usefixtures("frontrun_enabled")
+def test_planted_unfenced_post_against_failure_exception_is_caught() -> None:
+    result = _explore(
+        UnfencedRig,
+        [FenceRig.worker, FenceRig.fail_and_report],
+        FenceRig.holds_reported,
+        "planted unfenced vs failure_exception",
+    )
+    assert result.property_holds is False, "the explorer missed the post after the report"
+    assert "posted after the room's purge returned" in (result.explanation or "")

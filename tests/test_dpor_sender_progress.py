@@ -1,0 +1,174 @@
+"""DPOR (``frontrun``) over double completion: two threads calling inline
+``KVManager.progress()`` on the same room, every interleaving with at most one preemption.
+
+The guarantee (``docs/THREADING.md``, issue 9 defect 2): every chunk ends exactly once --
+done, failed or drained, counted once whichever thread sees it -- so a room is ``Success``
+only when every one of its chunks was DONE. A chunk's end is claimed (``_Inflight.claim``, a
+test-and-set) before its transfer and slot are released and it is counted.
+
+The room has two chunks: the first chunk's transfer is DONE, the second's is still in
+progress (``PROC``). Threads A and B both call ``progress(handle)``; each snapshots the
+pending chunks and polls them. Invariant: nothing raised; the room is still
+``Transferring`` (never ``Success``, never ``Failed``); ``chunks_done`` is 1 and nothing
+failed; the first transfer was released exactly once and the second not at all. Then, to
+check that nothing leaks: the room is cleared (the second chunk drains and keeps its staging
+slot), its transfer completes, ``wait_drained`` ends it: both transfers released exactly
+once, nothing of the room anywhere, every chunk ended exactly once.
+
+Planted bug: a manager whose chunks' end is never exclusive (the claim is taken but its
+answer ignored, i.e. ``_end`` without ``if not inflight.claim(): return False``): both
+threads see the DONE chunk, both end it -- the chunk is counted twice and the room reports
+``Success`` though its second chunk never completed (or the second thread polls the released
+transfer and fails the room). Planted so that the claim lock is still taken, as in the
+real ``_end``: with a ``claim`` that returned ``True`` without touching the lock, the
+explorer only ever found the second variant -- no false ``Success`` in 2,800 runs -- as
+frontrun 0.7 apparently reorders the two threads' polls only around the claim lock's events,
+not around the stand-in transfer's own lock.
+
+In-memory transport stand-ins because the explorer must schedule every step (see
+``tests/test_dpor_sender.py``); concurrent ``progress()`` also runs over real NIXL in the
+sender tests and the stress suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import frontrun
+import numpy as np
+import pytest
+import torch
+
+from sender.manager import ChunkJob, KVManager, _Inflight, make_transfer_info
+from sender.nixl_sender import NixlKVSender
+from sender.poll import KVPoll
+from staging import StagingContext
+from staging.buffers import StagingBufferPool
+from tests.test_dpor_sender import EXPLORE, PAGE_BYTES, InstantTransport
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOM = 5
+
+
+@pytest.fixture
+def frontrun_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Let ``frontrun.explore`` run inside plain pytest (see tests/test_dpor_staging.py)."""
+    monkeypatch.setenv("FRONTRUN_ACTIVE", "1")
+    yield
+
+
+class _UnclaimedInflight(_Inflight):
+    """PLANTED BUG: the claim is taken but its answer ignored -- every caller that sees the
+    chunk's end gets to end it (``_end`` without ``if not inflight.claim(): return False``)."""
+
+    __slots__ = ()
+
+    def claim(self) -> bool:
+        super().claim()
+        return True
+
+
+class DoubleEndingManager(KVManager):
+    """PLANTED BUG: a started chunk's end is not claimed once (``_end`` without the claim)."""
+
+    def _start_job(self, job: ChunkJob) -> _Inflight | None:
+        inflight = super()._start_job(job)
+        if inflight is not None:
+            inflight.__class__ = _UnclaimedInflight
+        return inflight
+
+
+class ProgressRig:
+    """A room of two chunks: the first chunk's transfer DONE, the second's in progress."""
+
+    manager_cls: type[KVManager] = KVManager
+
+    def __init__(self) -> None:
+        self.transport = InstantTransport(states=("DONE", "PROC"))
+        self.kv = torch.zeros((8, PAGE_BYTES), dtype=torch.uint8)
+        self.pool = StagingBufferPool(2, 4, PAGE_BYTES)
+        self.mgr = self.manager_cls(
+            self.transport,
+            self.kv,
+            num_workers=0,
+            staging=StagingContext(lock="mutex"),
+            staging_pool=self.pool,
+        )
+        self.sender = NixlKVSender(self.mgr, ROOM, ["d0"], [make_transfer_info("d0", range(4))])
+        self.sender.init(4)
+        self.sender.send(np.array([0, 1]))
+        self.sender.send(np.array([2, 3]))  # the last chunk: the room may conclude
+        assert len(self.transport.transfers) == 2
+        self.errors: list[BaseException] = []
+
+    def progress(self) -> None:
+        try:
+            self.mgr.progress(self.sender.handle)
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def holds(self) -> bool:
+        mgr, handle = self.mgr, self.sender.handle
+        assert not self.errors, f"raised: {self.errors!r}"
+        status = mgr.handle_status(handle)
+        assert status is KVPoll.Transferring, (
+            f"room is {status!r} with its second chunk still in progress"
+        )
+        st = mgr.stats()
+        assert (st.chunks_done, st.chunks_failed, st.chunks_skipped) == (1, 0, 0), (
+            f"the DONE chunk was not counted exactly once: {st}"
+        )
+        releases = [t.raw_releases for t in self.transport.transfers]
+        assert releases == [1, 0], f"transfer releases: {releases}"
+        # No leak: clear (the pending chunk drains: its slot stays leased, NIXL may still
+        # read it), let its transfer finish, drain.
+        self.sender.clear()
+        assert mgr.draining(handle) == 1, "the pending chunk does not drain after clear()"
+        assert self.pool.stats().in_use == 1, "a draining transfer's slot went back to the pool"
+        self.transport.transfers[1].state = "DONE"
+        assert mgr.wait_drained(None, 1.0) and mgr.draining() == 0
+        releases = [t.raw_releases for t in self.transport.transfers]
+        assert releases == [1, 1], f"transfer releases after drain: {releases}"
+        assert mgr.footprint(ROOM) == (), f"room {ROOM} left in {mgr.footprint(ROOM)}"
+        assert self.pool.stats().in_use == 0, "a staging slot was not returned"
+        st = mgr.stats()
+        ended = st.chunks_done + st.chunks_skipped + st.chunks_failed + st.chunks_drained
+        assert (st.chunks_submitted, ended, st.chunks_drained) == (2, 2, 1), str(st)
+        return True
+
+
+class DoubleEndingRig(ProgressRig):
+    manager_cls = DoubleEndingManager
+
+
+# Exhaustive takes ~2,800 runs (~100 s quiet): every interleaving with at most one preemption
+# instead, which already holds both double-completion races (B polls the chunk DONE before
+# A released it, or polls it after; the claim must refuse B in both).
+BOUNDED = {**EXPLORE, "preemption_bound": 1}
+
+
+def _explore(rig: type[ProgressRig], label: str) -> Any:
+    result = frontrun.explore(
+        setup=rig,
+        workers=[ProgressRig.progress, ProgressRig.progress],
+        invariant=ProgressRig.holds,
+        **BOUNDED,
+    )
+    print(f"{label}: {result.num_explored} interleavings explored, holds={result.property_holds}")
+    assert result.num_explored > 0, "frontrun explored nothing (skipped or misconfigured)"
+    return result
+
+
+@pytest.mark.usefixtures("frontrun_enabled")
+def test_two_inline_progress_calls_one_preemption() -> None:
+    result = _explore(ProgressRig, "progress vs progress")
+    assert result.property_holds is True, result.explanation
+
+
+@pytest.mark.usefixtures("frontrun_enabled")
+def test_planted_unclaimed_end_is_caught() -> None:
+    result = _explore(DoubleEndingRig, "planted unclaimed end")
+    assert result.property_holds is False, "the explorer missed the double completion"
+    print((result.explanation or "").splitlines()[0])

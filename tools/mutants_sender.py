@@ -1,0 +1,211 @@
+"""Mutants of the sender (``sender/manager.py``, ``sender/nixl_sender.py``) and of the
+staging purge it relies on: the eight defects of the sender audit put back one at a time,
+plus the lifecycle bugs the audit's mutation run found our checks blind to.
+
+Each snippet must match the current source exactly once (``make mutants`` stops with "stale
+mutant" otherwise).
+"""
+
+from __future__ import annotations
+
+from tools.mutants_spec import Mutant
+
+MANAGER = "sender/manager.py"
+REGRESSIONS = "tests/test_audit_regressions.py"
+DPOR = "tests/test_dpor_sender.py"
+DPOR_FENCE = "tests/test_dpor_sender_fence.py"
+DPOR_PROGRESS = "tests/test_dpor_sender_progress.py"
+DPOR_PURGE = "tests/test_dpor_sender_purge.py"
+SENDER_TESTS = ("tests/test_sender.py", REGRESSIONS)
+SENDER_STRESS = ("sender-audit",)
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        id="fail-session-keeps-staging-keys",
+        file=MANAGER,
+        original="""\
+            self.staging.purge_session(session_id)
+""",
+        replacement="""\
+            pass  # MUTANT: the failed session's staging keys are left behind
+""",
+        kind="sequential",
+        description="KVManager.fail_session does not call staging.purge_session: the dead "
+        "session's staging keys stay in every room",
+        tests=(
+            "tests/test_staging_fail_session.py",
+            "tests/test_sender.py::test_remote_disconnect_fails_every_room_of_that_session",
+        ),
+    ),
+    Mutant(
+        id="d1-post-without-recheck",
+        file=MANAGER,
+        original="""\
+                registered = (
+                    self._live(handle, count=True) is entry
+                    and self._request_status.get(handle.room) is not KVPoll.Failed
+                )""",
+        replacement="""\
+                registered = True  # MUTANT: liveness checked only before the slot wait""",
+        kind="race",
+        description="defect 1: a worker posts a chunk whose room was purged while it waited "
+        "for a slot (no re-check at the fence): cross-room page corruption",
+        tests=(*SENDER_TESTS, DPOR_FENCE),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="d1-purge-without-gate",
+        file=MANAGER,
+        original="""\
+        with entry.gate.write_untimed(), self._room_lock.write_untimed():
+            if self._rooms.get(room_id) is not entry:  # another purge won""",
+        replacement="""\
+        with self._room_lock.write_untimed():  # MUTANT: purge does not wait for a post
+            if self._rooms.get(room_id) is not entry:  # another purge won""",
+        kind="race",
+        description="defect 1 (fence half): purge_room does not take the room's post gate, so "
+        "a post that passed its check lands after clear() returned",
+        tests=(*SENDER_TESTS, DPOR_FENCE),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="d2-end-without-claim",
+        file=MANAGER,
+        original="""\
+        if not inflight.claim():
+            return False
+        job = inflight.job""",
+        replacement="""\
+        inflight.claim()  # MUTANT: whoever sees the end accounts for it
+        job = inflight.job""",
+        kind="race",
+        description="defect 2: a chunk's end is not claimed once: two progress() calls count it "
+        "twice and a room reports a false Success",
+        tests=(*SENDER_TESTS, DPOR_PROGRESS, DPOR),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="d3-transport-release-skips-chunk",
+        file=MANAGER,
+        original="""\
+            if drained or entry is None or abandoned:""",
+        replacement="""\
+            if drained or entry is None or abandoned or released:  # MUTANT""",
+        kind="lifecycle",
+        description="defect 3: a transfer released by the transport is taken for a purge: the "
+        "chunk is skipped and its open room stays Transferring forever",
+        tests=SENDER_TESTS,
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="d4-worker-catches-too-little",
+        file=MANAGER,
+        original="""\
+            except BaseException as exc:  # a worker never dies: the room fails instead
+                self._on_internal_error(job, exc)""",
+        replacement="""\
+            except (KeyError, ValueError) as exc:  # MUTANT: other errors kill the worker
+                self._on_internal_error(job, exc)""",
+        kind="lifecycle",
+        description="defect 4: an error raised while a worker handles a transport error "
+        "escapes its loop: the worker thread dies and queued chunks are never processed",
+        tests=SENDER_TESTS,
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="d5-staging-purge-times-out",
+        file="staging/context.py",
+        original="""\
+        room_id, generation = self._ref(room)
+        with self._lock.write_untimed():""",
+        replacement="""\
+        room_id, generation = self._ref(room)
+        with self._lock.write():  # MUTANT: a purge may time out half-way""",
+        kind="race",
+        description="defect 5: StagingContext.purge_room honours lock_timeout: clear() raises "
+        "LockTimeoutError and leaves the room half-purged under a long reader",
+        tests=(REGRESSIONS, "tests/test_sender.py"),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="d6-failure-exception-by-room-id",
+        file="sender/nixl_sender.py",
+        original="""\
+        purge = self.kv_mgr.purge_room(self._handle)""",
+        replacement="""\
+        purge = self.kv_mgr.purge_room(self.bootstrap_room)  # MUTANT: whatever opening""",
+        kind="race",
+        description="defect 6: failure_exception() purges by bare room id: it can take (and "
+        "raise) the exception of the room's next opening",
+        tests=(*SENDER_TESTS, DPOR_PURGE),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="d7-open-room-checks-closed-late",
+        file=MANAGER,
+        original="""\
+            if self._closing:
+                raise RuntimeError("KVManager is closed")""",
+        replacement="""\
+            if self._closed.is_set():  # MUTANT: the flag close() sets after its purge
+                raise RuntimeError("KVManager is closed")""",
+        kind="race",
+        description="defect 7: open_room checks a flag close() sets after snapshotting the "
+        "open rooms: a room opened in between survives close()",
+        tests=SENDER_TESTS,
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="d8-short-info-accepted",
+        file=MANAGER,
+        original="""\
+            short = entry.num_kv_indices is not None and (""",
+        replacement="""\
+            short = False and (  # MUTANT: an info after init() is not checked""",
+        kind="sequential",
+        description="defect 8: a transfer info that arrives after init() with too few "
+        "destination pages is accepted; the room later fails as an internal error or hangs",
+        tests=SENDER_TESTS,
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="manager-purge-two-critical-sections",
+        file=MANAGER,
+        original="""\
+        with entry.gate.write_untimed(), self._room_lock.write_untimed():
+            if self._rooms.get(room_id) is not entry:  # another purge won
+                return ManagerPurge(room_id, False, None, (), None, 0, 0)
+            del self._rooms[room_id]
+""",
+        replacement="""\
+        with entry.gate.write_untimed():
+            with self._room_lock.write_untimed():
+                if self._rooms.get(room_id) is not entry:  # another purge won
+                    return ManagerPurge(room_id, False, None, (), None, 0, 0)
+                del self._rooms[room_id]
+        with entry.gate.write_untimed(), self._room_lock.write_untimed():  # MUTANT: 2nd one
+""",
+        kind="race",
+        description="KVManager.purge_room in two critical sections: an observer sees the room "
+        "closed while its status, exception and staging keys are still there",
+        tests=(*SENDER_TESTS, DPOR_PURGE),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="purge-returns-slots-early",
+        file=MANAGER,
+        original="""\
+            staged = self.staging.purge_room(entry.handle)
+""",
+        replacement="""\
+            staged = self.staging.purge_room(entry.handle)
+            if self.staging_pool is not None:  # MUTANT: slots back under pending transfers
+                self.staging_pool.release_owner(entry.handle)
+""",
+        kind="lifecycle",
+        description="purge_room returns the room's staging slots while posted transfers still "
+        "read from them: another room can lease and overwrite a slot under a pending write",
+        tests=SENDER_TESTS,
+        stress=SENDER_STRESS,
+    ),
+)
