@@ -69,6 +69,17 @@ def _seed(text: str) -> int:
     return value
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the scenario list as written and shows every option's default (except flags
+    and options whose default is "none")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
     """The argument parser (scenario names are checked against the registry in ``main``).
 
@@ -85,7 +96,7 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
         prog="python -m stress",
         description="Concurrency stress scenarios with named invariants.",
         epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     d = StressConfig()
     parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: all")
@@ -101,18 +112,24 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=_seed, default=None, help="replay a plan")
     parser.add_argument(
         "--switch-interval", type=_positive_float, default=d.switch_interval,
-        help="sys.setswitchinterval during runs (default 1e-6)",
+        help="sys.setswitchinterval during runs",
     )  # fmt: skip
-    parser.add_argument("--lock", choices=("rw", "mutex"), default=d.lock)
+    parser.add_argument(
+        "--lock", choices=("rw", "mutex"), default=d.lock,
+        help="lock kind of the staging contexts under test",
+    )  # fmt: skip
     parser.add_argument(
         "--watchdog", type=_positive_float, default=d.watchdog_s,
-        help="seconds without progress that count as a deadlock (default 10)",
+        help="seconds without progress that count as a deadlock",
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
     parser.add_argument(
         "--quick", action="store_true", help=f"~{QUICK_DURATION_S:g} s per scenario"
     )
-    parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument(
+        "--progress", choices=("auto", "on", "off"), default="auto",
+        help="live progress line on stderr (auto: only on a terminal)",
+    )  # fmt: skip
     parser.add_argument("--plant-bug", default=None, help=argparse.SUPPRESS)
     return parser
 

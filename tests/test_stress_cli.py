@@ -7,6 +7,7 @@ The planted-violation tests use the hidden, test-only ``--plant-bug`` option: ``
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -154,3 +155,19 @@ def test_planted_violation_exits_1(tmp_path: Path, bug: str, invariant: str) -> 
     doc = json.loads(out.read_text())
     assert doc["ok"] is False
     assert doc["invariants"][invariant] > 0
+
+
+@pytest.mark.timeout(30)
+def test_help_documents_every_option_and_its_default() -> None:
+    """Every option has help text, and every option with a value shows its default."""
+    from stress.cli import build_parser
+
+    parser = build_parser(list_scenarios=False)
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or not action.option_strings:
+            continue
+        assert action.help, f"{action.option_strings} has no help"
+        if action.default not in (None, False, argparse.SUPPRESS):
+            assert f"(default: {action.default})" in text, action.option_strings
+    assert "--lock {rw,mutex} lock kind" in text and "--progress {auto,on,off} live" in text
