@@ -333,8 +333,8 @@ class KVManager:
         debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
         poll_interval_s: how long a worker sleeps between polls of a pending transfer;
             ``None`` (default) adapts, as :meth:`sender.transport.Transfer.wait` does
-            (:func:`sender.transport.poll_pauses`: a few GIL-yielding polls, then pauses
-            doubling from 10 µs to 1 ms).
+            (:func:`sender.transport.poll_pauses`: GIL-yielding polls for 1 ms, then
+            pauses growing from 20 µs to 1 ms).
         fail_session_on_disconnect: when a transfer fails because its peer is gone or hung
             (a transport error), fail every room with a transfer to that session at once.
         notify_decode: tell each decode session of a room that failed or was cleared before

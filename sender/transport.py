@@ -471,10 +471,10 @@ class Transfer:
     def wait(self, timeout_s: float | None = None, interval_s: float | None = None) -> None:
         """Poll until ``"DONE"``.
 
-        By default the pause between polls adapts (:func:`poll_pauses`): a few polls that
-        only yield the GIL (a small write is done in tens of microseconds), then pauses
-        doubling from 10 µs to 1 ms, so a long write costs little CPU and a short one little
-        latency. ``interval_s`` fixes the pause instead.
+        By default the pause between polls adapts (:func:`poll_pauses`): for the first
+        millisecond polls only yield the GIL (a write of up to a few MiB is seen done at
+        once), then pauses grow from 20 µs to 1 ms, so a long write costs little CPU and a
+        short one little latency. ``interval_s`` fixes the pause instead.
 
         Thread-safety: safe from any thread (each poll takes the transfer's lock briefly).
 
@@ -1303,22 +1303,25 @@ def _check_timeout(value: float, what: str) -> None:
         raise TransportParamError(f"{what} must be > 0, got {value!r}")
 
 
-POLL_SPINS = 16
-"""Polls that only yield the GIL (``sleep(0)``) before :func:`poll_pauses` backs off."""
-POLL_PAUSE_MIN_S = 10e-6
+POLL_SPIN_S = 1e-3
+"""For this long after the first poll, polls only yield the GIL (``sleep(0)``): a write of up
+to a few MiB completes within it, and is seen done at once (raw NIXL busy-polls)."""
+POLL_PAUSE_MIN_S = 20e-6
 POLL_PAUSE_MAX_S = 1e-3
 
 
 def poll_pauses() -> Iterator[float]:
-    """Pauses between polls of one transfer: :data:`POLL_SPINS` zeros (yield the GIL and
-    poll again: a small write completes within tens of microseconds), then doubling from
-    :data:`POLL_PAUSE_MIN_S` up to :data:`POLL_PAUSE_MAX_S` (a long write is polled about
-    every millisecond: little CPU, at most ~1 ms of added latency, ~6 % of a 16 MiB write)."""
-    yield from itertools.repeat(0.0, POLL_SPINS)
+    """Pauses between polls of one transfer: zeros (yield the GIL and poll again) for
+    :data:`POLL_SPIN_S`, then pauses growing by half from :data:`POLL_PAUSE_MIN_S` up to
+    :data:`POLL_PAUSE_MAX_S` (a long write is polled about every millisecond: little CPU,
+    at most ~1 ms of added latency on writes that already take milliseconds)."""
+    spin_until = time.monotonic() + POLL_SPIN_S
+    while time.monotonic() < spin_until:
+        yield 0.0
     pause = POLL_PAUSE_MIN_S
     while True:
         yield pause
-        pause = min(pause * 2, POLL_PAUSE_MAX_S)
+        pause = min(pause * 1.5, POLL_PAUSE_MAX_S)
 
 
 _MAX_PREPPED_PAGES = 1 << 22
