@@ -291,6 +291,11 @@ SESSION_FATAL_ERRORS: tuple[type[BaseException], ...] = (
     ),
 )
 
+_WORKER_SPIN_S = 200e-6
+"""Workers spin (yield the GIL between polls) for less than ``Transfer.wait`` does: several
+of them poll at once, and on a small machine their spinning would take the CPU from NIXL's
+progress thread and the peer."""
+
 _HUNG_SWEEP_S = 0.05
 """How long an idle worker waits for a job before it re-checks hung chunks."""
 
@@ -333,7 +338,7 @@ class KVManager:
         debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
         poll_interval_s: how long a worker sleeps between polls of a pending transfer;
             ``None`` (default) adapts, as :meth:`sender.transport.Transfer.wait` does
-            (:func:`sender.transport.poll_pauses`: GIL-yielding polls for 1 ms, then
+            (:func:`sender.transport.poll_pauses`: GIL-yielding polls for 200 µs, then
             pauses growing from 20 µs to 1 ms).
         fail_session_on_disconnect: when a transfer fails because its peer is gone or hung
             (a transport error), fail every room with a transfer to that session at once.
@@ -1023,7 +1028,7 @@ class KVManager:
             try:
                 inflight = self._launch(job)
                 pauses = (
-                    poll_pauses()
+                    poll_pauses(_WORKER_SPIN_S)
                     if self.poll_interval_s is None
                     else itertools.repeat(self.poll_interval_s)
                 )

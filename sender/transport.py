@@ -1310,12 +1310,12 @@ POLL_PAUSE_MIN_S = 20e-6
 POLL_PAUSE_MAX_S = 1e-3
 
 
-def poll_pauses() -> Iterator[float]:
+def poll_pauses(spin_s: float = POLL_SPIN_S) -> Iterator[float]:
     """Pauses between polls of one transfer: zeros (yield the GIL and poll again) for
-    :data:`POLL_SPIN_S`, then pauses growing by half from :data:`POLL_PAUSE_MIN_S` up to
+    ``spin_s``, then pauses growing by half from :data:`POLL_PAUSE_MIN_S` up to
     :data:`POLL_PAUSE_MAX_S` (a long write is polled about every millisecond: little CPU,
     at most ~1 ms of added latency on writes that already take milliseconds)."""
-    spin_until = time.monotonic() + POLL_SPIN_S
+    spin_until = time.monotonic() + spin_s
     while time.monotonic() < spin_until:
         yield 0.0
     pause = POLL_PAUSE_MIN_S
