@@ -31,7 +31,6 @@ See docs/THREADING.md.
 from __future__ import annotations
 
 import itertools
-import math
 import queue
 import threading
 import time
@@ -58,7 +57,13 @@ from staging.buffers import PoolClosedError, PoolExhaustedError, StagingBufferPo
 from staging.context import RoomHandle, RoomPurge, StagingContext
 from staging.errors import RoomAlreadyOpenError
 from staging.locks import LockLevel, MutexLock, RWLock, make_lock
-from staging.validate import check_chunk_idx, check_index, check_room_id, check_session_id
+from staging.validate import (
+    check_chunk_idx,
+    check_index,
+    check_room_id,
+    check_seconds,
+    check_session_id,
+)
 
 PageArray = npt.NDArray[np.int64]
 
@@ -372,10 +377,10 @@ class KVManager:
         check_index(num_workers, "num_workers")
         if kv_pool.dim() != 2 or kv_pool.dtype != torch.uint8:
             raise TypeError("kv_pool must be a 2-D uint8 tensor [num_pages, page_bytes]")
-        _check_seconds(transfer_timeout_s, "transfer_timeout_s", allow_zero=False)
-        _check_seconds(slot_timeout_s, "slot_timeout_s", allow_zero=True)
+        check_seconds(transfer_timeout_s, "transfer_timeout_s")
+        check_seconds(slot_timeout_s, "slot_timeout_s", allow_zero=True)
         if poll_interval_s is not None:
-            _check_seconds(poll_interval_s, "poll_interval_s", allow_zero=True)
+            check_seconds(poll_interval_s, "poll_interval_s", allow_zero=True)
         self.transport = transport
         self.kv_pool = kv_pool
         self.staging = staging if staging is not None else StagingContext(debug=debug)
@@ -544,7 +549,7 @@ class KVManager:
         """
         if handle is not None:
             _check_handle(handle)
-        _check_seconds(timeout_s, "timeout_s", allow_zero=True)
+        check_seconds(timeout_s, "timeout_s", allow_zero=True)
         deadline = time.monotonic() + timeout_s
         while True:
             with self._room_lock.read():
@@ -1132,10 +1137,7 @@ class KVManager:
                         self._counts["chunks_skipped"] += 1
                 return None
             with self._room_lock.read():  # the slot wait may have been long: still wanted?
-                wanted = (
-                    self._live(handle) is entry
-                    and self._request_status.get(handle.room) is not KVPoll.Failed
-                )
+                wanted = self._postable(handle, entry)
             if not wanted:
                 self.staging_pool.release(inflight.slot)
                 self._count("chunks_skipped")
@@ -1154,10 +1156,7 @@ class KVManager:
         # registered (it drains) or made us skip it.
         with entry.gate.write_untimed():
             with self._room_lock.write():
-                registered = (
-                    self._live(handle, count=True) is entry
-                    and self._request_status.get(handle.room) is not KVPoll.Failed
-                )
+                registered = self._postable(handle, entry, count=True)
                 if registered:
                     entry.inflight[job.job_id] = inflight
                 else:
@@ -1371,6 +1370,15 @@ class KVManager:
         under_chunks = sum(1 for i in chunks if i.slot is not None)
         return len(chunks) + max(0, held - under_chunks)
 
+    def _postable(self, handle: RoomHandle, entry: _RoomEntry, *, count: bool = False) -> bool:
+        """``entry`` is still the open entry of ``handle`` and its room has not failed: a
+        chunk of it may be staged and posted. Caller holds ``_room_lock`` (write mode with
+        ``count``, see :meth:`_live`)."""
+        return (
+            self._live(handle, count=count) is entry
+            and self._request_status.get(handle.room) is not KVPoll.Failed
+        )
+
     def _room_tables(self) -> tuple[tuple[str, dict[int, Any]], ...]:
         """The per-room tables guarded by ``_room_lock``, by name (``failure_records`` has
         its own lock). Caller holds ``_room_lock``."""
@@ -1405,20 +1413,6 @@ class KVManager:
     def _count(self, name: str) -> None:
         with self._room_lock.write():
             self._counts[name] += 1
-
-
-def _check_seconds(value: object, what: str, *, allow_zero: bool) -> None:
-    """A finite number of seconds, > 0 (or >= 0 with ``allow_zero``)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
-    try:
-        seconds = float(value)
-    except OverflowError:
-        seconds = math.inf
-    ok = seconds >= 0 if allow_zero else seconds > 0
-    if not ok or not math.isfinite(seconds):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{what} must be a finite number {bound}, got {value!r}")
 
 
 def _check_handle(handle: object) -> None:

@@ -49,7 +49,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 import os
 import struct
 import sys
@@ -77,6 +76,7 @@ from sender.errors import (
     classify,
     status_name,
 )
+from staging.validate import check_seconds
 
 if TYPE_CHECKING:  # torch is imported lazily: a CPU-only peer process need not pay ~2 s for it
     import torch
@@ -487,11 +487,9 @@ class Transfer:
             Exception: a NIXL transport error, as ``poll()``.
         """
         if timeout_s is not None:
-            _check_wait_arg(timeout_s, "timeout_s")
+            check_seconds(timeout_s, "timeout_s", allow_zero=True, allow_inf=True)
         if interval_s is not None:
-            _check_wait_arg(interval_s, "interval_s")
-            if not math.isfinite(interval_s):
-                raise ValueError(f"interval_s must be finite, got {interval_s!r}")
+            check_seconds(interval_s, "interval_s", allow_zero=True)
         end = None if timeout_s is None else time.monotonic() + float(timeout_s)
         pauses = poll_pauses() if interval_s is None else itertools.repeat(float(interval_s))
         while self.poll() != "DONE":
@@ -1290,17 +1288,12 @@ def _memory_of(name: str, mem: torch.Tensor | npt.NDArray[Any]) -> tuple[int, in
 
 
 def _check_timeout(value: float, what: str) -> None:
-    """A deadline in seconds: a number > 0, ``inf`` for none; not NaN, not a huge int."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TransportParamError(f"{what} must be a number of seconds, got {value!r}")
+    """A deadline in seconds: a number > 0, ``inf`` for none; not NaN, not a huge int.
+    Raises TransportParamError."""
     try:
-        seconds = float(value)
-    except OverflowError:
-        raise TransportParamError(
-            f"{what} is too large (use float('inf') for no deadline)"
-        ) from None
-    if math.isnan(seconds) or seconds <= 0:
-        raise TransportParamError(f"{what} must be > 0, got {value!r}")
+        check_seconds(value, what, allow_inf=True)
+    except (TypeError, ValueError) as exc:
+        raise TransportParamError(str(exc)) from None
 
 
 POLL_SPIN_S = 1e-3
@@ -1358,17 +1351,6 @@ def _release_prepped(agent: Any, handle: Any) -> None:
         logger.warning("releasing a prepared descriptor list failed: %s", exc)
 
 
-def _check_wait_arg(value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
-    try:
-        seconds = float(value)
-    except OverflowError:
-        raise ValueError(f"{what} is too large (use float('inf'))") from None
-    if math.isnan(seconds) or seconds < 0:
-        raise ValueError(f"{what} must be >= 0, got {value!r}")
-
-
 def _rows_for(
     li: RegionInfo,
     remote: RegionInfo,
@@ -1405,7 +1387,10 @@ _SMALL_WRITE = 16
 
 
 def _check_range_list(values: list[int], num_pages: int, what: str, region: str) -> None:
-    lo, hi = min(values), max(values)
+    _check_bounds(min(values), max(values), num_pages, what, region)
+
+
+def _check_bounds(lo: int, hi: int, num_pages: int, what: str, region: str) -> None:
     if lo < 0 or hi >= num_pages:
         bad = lo if lo < 0 else hi
         raise TransportParamError(
@@ -1415,15 +1400,9 @@ def _check_range_list(values: list[int], num_pages: int, what: str, region: str)
 
 def _check_range(pages: npt.NDArray[np.int64], num_pages: int, what: str, region: str) -> None:
     if pages.shape[0] <= 16:  # Python min/max beat two numpy reductions on tiny arrays
-        values = pages.tolist()
-        lo, hi = min(values), max(values)
+        _check_range_list(pages.tolist(), num_pages, what, region)
     else:
-        lo, hi = int(pages.min()), int(pages.max())
-    if lo < 0 or hi >= num_pages:
-        bad = lo if lo < 0 else hi
-        raise TransportParamError(
-            f"{what}: page {bad} out of range for region {region!r} ({num_pages} pages)"
-        )
+        _check_bounds(int(pages.min()), int(pages.max()), num_pages, what, region)
 
 
 def _mem_seg(bindings: Any, mem_type: str) -> Any:

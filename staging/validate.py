@@ -7,6 +7,8 @@ for a value out of range. ``bool`` is refused where an ``int`` is expected (``Tr
 
 from __future__ import annotations
 
+import math
+
 
 def check_index(value: object, what: str) -> int:
     """Return ``value`` as an exact ``int`` if it is an ``int`` >= 0 and not a ``bool``.
@@ -26,6 +28,31 @@ def check_index(value: object, what: str) -> int:
     if plain < 0:
         raise ValueError(f"{what} must be >= 0, got {plain}")
     return plain
+
+
+def check_seconds(
+    value: object, what: str, *, allow_zero: bool = False, allow_inf: bool = False
+) -> float:
+    """A number of seconds (``int`` or ``float``, not ``bool``), returned as a ``float``.
+
+    Raises:
+        TypeError: not an ``int``/``float``, or a ``bool``.
+        ValueError: NaN; negative, or zero unless ``allow_zero``; infinite unless
+            ``allow_inf``; an ``int`` too large for a float.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        hint = " (use float('inf'))" if allow_inf else ""
+        raise ValueError(f"{what} is too large{hint}") from None
+    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{what} must be a number {bound}, got {value!r}")
+    if math.isinf(seconds) and not allow_inf:
+        raise ValueError(f"{what} must be finite, got {value!r}")
+    return seconds
 
 
 def check_room_id(room: object) -> int:

@@ -41,10 +41,7 @@ MUTANTS: tuple[Mutant, ...] = (
         id="d1-post-without-recheck",
         file=MANAGER,
         original="""\
-                registered = (
-                    self._live(handle, count=True) is entry
-                    and self._request_status.get(handle.room) is not KVPoll.Failed
-                )""",
+                registered = self._postable(handle, entry, count=True)""",
         replacement="""\
                 registered = True  # MUTANT: liveness checked only before the slot wait""",
         kind="race",
