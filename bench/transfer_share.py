@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 
     from sender.manager import KVManager, PageArray, TransportLike
     from sender.peer import PeerProcess
+    from sender.transport import PageIndices
     from staging.buffers import StagingBufferPool, StagingSlot
 
 NAME = "transfer-share"
@@ -155,8 +156,8 @@ class _TimedTransport:
     def write_pages(
         self,
         session_id: str,
-        src_pages: Sequence[int] | PageArray,
-        dst_pages: Sequence[int] | PageArray,
+        src_pages: PageIndices,
+        dst_pages: PageIndices,
         notif: bytes | None = None,
         *,
         src_region: str = "kv",
@@ -260,8 +261,8 @@ class _NoopTransport:
     def write_pages(
         self,
         session_id: str,
-        src_pages: Sequence[int] | PageArray,
-        dst_pages: Sequence[int] | PageArray,
+        src_pages: PageIndices,
+        dst_pages: PageIndices,
         notif: bytes | None = None,
         *,
         src_region: str = "kv",

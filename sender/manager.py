@@ -49,10 +49,12 @@ from sender.errors import (
     TransferFailedError,
     TransferReleasedError,
     TransferTimeoutError,
+    TransportParamError,
 )
 from sender.notices import RoomNotice, code_for
+from sender.pages import CheckedPages
 from sender.poll import KVPoll, is_concluded, merge_status
-from sender.transport import poll_pauses
+from sender.transport import PageIndices, pause_between_polls, poll_pauses
 from staging.buffers import PoolClosedError, PoolExhaustedError, StagingBufferPool, StagingSlot
 from staging.context import RoomHandle, RoomPurge, StagingContext
 from staging.errors import RoomAlreadyOpenError
@@ -84,8 +86,8 @@ class TransportLike(Protocol):
     def write_pages(
         self,
         session_id: str,
-        src_pages: Sequence[int] | PageArray,
-        dst_pages: Sequence[int] | PageArray,
+        src_pages: PageIndices,
+        dst_pages: PageIndices,
         notif: bytes | None = None,
         *,
         src_region: str = "kv",
@@ -112,6 +114,10 @@ class TransferInfo:
     decode_prefix_len: int = 0
     byte_range: tuple[int, int] | None = None
     dst_region: str = "kv"
+    dst_checked: CheckedPages | None = field(default=None, compare=False, repr=False)
+    """``dst_pages`` checked once (distinct, < 2**31; :mod:`sender.pages`): chunks pass
+    slices of it, so the transport does not check them again per write. ``None`` when empty
+    or when a page repeats (the transport then checks, and refuses, per write)."""
 
 
 def make_transfer_info(
@@ -150,7 +156,20 @@ def make_transfer_info(
         check_index(start, "byte_range start")
         if check_index(length, "byte_range length") < 1:
             raise ValueError("byte_range length must be >= 1")
-    return TransferInfo(session_id, arr, decode_prefix_len, byte_range, dst_region)
+    return TransferInfo(
+        session_id, arr, decode_prefix_len, byte_range, dst_region, _checked_dst(arr)
+    )
+
+
+def _checked_dst(pages: PageArray) -> CheckedPages | None:
+    """``pages`` as :class:`CheckedPages` (distinct), or ``None`` if empty or not valid as
+    such (repeated or huge pages: the transport refuses those per write, as before)."""
+    if pages.size == 0:
+        return None
+    try:
+        return CheckedPages(pages, unique=True)
+    except TransportParamError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +185,9 @@ class ChunkJob:
     dst_region: str
     is_last: bool
     job_id: int
+    # The same pages checked once (sender/pages.py), for the transport; None: use the arrays.
+    src_checked: CheckedPages | None = None
+    dst_checked: CheckedPages | None = None
 
 
 class _Inflight:
@@ -297,9 +319,9 @@ SESSION_FATAL_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 _WORKER_SPIN_S = 200e-6
-"""Workers spin (yield the GIL between polls) for less than ``Transfer.wait`` does: several
-of them poll at once, and on a small machine their spinning would take the CPU from NIXL's
-progress thread and the peer."""
+"""Workers spin (poll with only a ``sched_yield`` between polls) for less than
+``Transfer.wait`` does: several of them poll at once, and on a small machine their spinning
+would take the CPU from NIXL's progress thread and the peer."""
 
 _HUNG_SWEEP_S = 0.05
 """How long an idle worker waits for a job before it re-checks hung chunks."""
@@ -343,8 +365,9 @@ class KVManager:
         debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
         poll_interval_s: how long a worker sleeps between polls of a pending transfer;
             ``None`` (default) adapts, as :meth:`sender.transport.Transfer.wait` does
-            (:func:`sender.transport.poll_pauses`: GIL-yielding polls for 200 µs, then
-            pauses growing from 20 µs to 1 ms).
+            (:func:`sender.transport.poll_pauses`: polls with only a ``sched_yield``
+            between them for 200 µs, then pauses of 1/16 of the time polled so far, 20 µs
+            to 1 ms).
         fail_session_on_disconnect: when a transfer fails because its peer is gone or hung
             (a transport error), fail every room with a transfer to that session at once.
         notify_decode: tell each decode session of a room that failed or was cleared before
@@ -756,10 +779,16 @@ class KVManager:
         _check_handle(handle)
         chunk_idx = check_chunk_idx(chunk_idx)
         start = check_index(start, "start")
-        if kv_indices.size and (
-            int(kv_indices.min()) < 0 or int(kv_indices.max()) >= self.kv_pool.shape[0]
-        ):
-            raise ValueError(f"kv_indices out of range [0, {self.kv_pool.shape[0]})")
+        src_checked: CheckedPages | None = None
+        if kv_indices.size:
+            # One check of the chunk's pages (bounds, then an int32 copy the transport uses
+            # as is; sender/pages.py) instead of one here and another per write.
+            try:
+                src_checked = CheckedPages(kv_indices, unique=False)
+            except TransportParamError:
+                src_checked = None
+            if src_checked is None or src_checked.max_page >= self.kv_pool.shape[0]:
+                raise ValueError(f"kv_indices out of range [0, {self.kv_pool.shape[0]})")
         jobs: list[ChunkJob] = []
         with self._room_lock.write():
             entry = self._live(handle)
@@ -787,6 +816,7 @@ class KVManager:
             for info in infos.values():
                 # Pages before the decode prefix are already at the peer: skip them.
                 skip = min(max(info.decode_prefix_len - start, 0), end - start)
+                sends = skip < end - start  # anything left after the prefix
                 jobs.append(
                     ChunkJob(
                         handle,
@@ -798,6 +828,12 @@ class KVManager:
                         info.dst_region,
                         is_last,
                         next(self._job_ids),
+                        src_checked[skip:] if sends and src_checked is not None else None,
+                        (
+                            info.dst_checked[start + skip : end]
+                            if sends and info.dst_checked is not None
+                            else None
+                        ),
                     )
                 )
             entry.chunk_idxs.add(chunk_idx)
@@ -1038,7 +1074,7 @@ class KVManager:
                     else itertools.repeat(self.poll_interval_s)
                 )
                 while inflight is not None and not self._check(inflight):
-                    time.sleep(next(pauses))
+                    pause_between_polls(next(pauses))
             except BaseException as exc:  # a worker never dies: the room fails instead
                 self._on_internal_error(job, exc)
 
@@ -1149,6 +1185,9 @@ class KVManager:
                 raise
             src = np.arange(inflight.slot.first_page, inflight.slot.first_page + n)
             src_region = self.staging_region
+            src_pages: PageIndices = CheckedPages.span(inflight.slot.first_page, n)
+        else:
+            src_pages = job.src_checked if job.src_checked is not None else src
         notif = f"room={handle.room};chunk={job.chunk_idx};last={int(job.is_last)}".encode()
         post_error: BaseException | None = None
         # The post fence: the room's purge takes this gate too, so "live and not failed" is
@@ -1165,8 +1204,8 @@ class KVManager:
                 try:
                     inflight.transfer = self.transport.write_pages(
                         job.session_id,
-                        src,
-                        job.dst_pages,
+                        src_pages,
+                        job.dst_checked if job.dst_checked is not None else job.dst_pages,
                         notif,
                         src_region=src_region,
                         dst_region=job.dst_region,

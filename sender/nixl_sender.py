@@ -27,14 +27,14 @@ from staging.validate import check_index
 
 
 def _as_indices(kv_indices: Sequence[int] | PageArray, what: str) -> PageArray:
-    """Validate a 1-D list/array of non-negative page indices (bools refused)."""
+    """Validate a 1-D list/array of integer page indices (bools refused)."""
     arr = np.asarray(kv_indices)
-    if arr.dtype == np.bool_ or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+    # dtype.kind, not np.issubdtype (~2.5 us a call here): this runs once per chunk.
+    if arr.dtype.kind not in "iu" and arr.size:
         raise TypeError(f"{what} must hold ints, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.size and int(arr.min()) < 0:
-        raise ValueError(f"{what} must be >= 0")
+    # Negative and too large indices: KVManager.submit_chunk checks both in one pass.
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 

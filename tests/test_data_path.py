@@ -1,0 +1,256 @@
+"""The fast data path (issue: data path at raw-NIXL speed): page lists checked once
+(:class:`sender.pages.CheckedPages`), the numpy index checks of larger writes, the binding
+calls on plain int handles, prepared and unprepared descriptor lists, and the poll pacing.
+
+Every write here moves real bytes over NIXL (UCX) to a peer and is checked byte-exact."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sender import transport as transport_mod
+from sender.errors import TransportParamError
+from sender.pages import CheckedPages, as_pages
+from sender.transport import NixlTransport, pause_between_polls, poll_pauses
+from tests.fixtures_nixl import NUM_PAGES, PAGE_BYTES, SenderPool, make_sender_pool, requires_nixl
+
+# ------------------------------------------------------------------ CheckedPages (no NIXL)
+
+
+@pytest.mark.timeout(10)
+def test_checked_pages_checks_once_and_is_immutable() -> None:
+    src = np.array([7, 3, 5], dtype=np.int64)
+    pages = CheckedPages(src)
+    src[0] = 99  # the caller's array changes later: the checked copy does not
+    assert pages.tolist() == [7, 3, 5] and list(pages) == [7, 3, 5]
+    assert pages.max_page == 7 and pages.unique and len(pages) == 3
+    assert pages.indices.dtype == np.int32 and not pages.indices.flags.writeable
+    with pytest.raises(ValueError):
+        pages.indices[0] = 1
+    assert np.asarray(pages).tolist() == [7, 3, 5]
+    assert np.asarray(pages, dtype=np.int64).dtype == np.int64
+    part = pages[1:]
+    assert part.tolist() == [3, 5] and part.max_page == 7 and part.unique  # bound inherited
+    assert pages[::2].tolist() == [7, 5]
+    with pytest.raises(TypeError):
+        pages[[0, 0]]  # type: ignore[index]  # an index array could repeat pages
+    with pytest.raises(ValueError):
+        pages[3:]
+    span = CheckedPages.span(10, 4)
+    assert span.tolist() == [10, 11, 12, 13] and span.max_page == 13 and span.unique
+    assert CheckedPages([2, 2], unique=False).tolist() == [2, 2]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("pages", "match"),
+    [
+        ([], "no pages"),
+        ([1, -1, 3], "page -1 out of range"),
+        ([0, 2**31], "page 2147483648 out of range"),
+        # NIXL converts indices to 32-bit ints unchecked: 2**32 + 1 would become page 1.
+        (np.array([0, 2**32 + 1], dtype=np.int64), "page 4294967297 out of range"),
+        ([4, 1, 4], "duplicates"),
+        ([True, False], "ints only"),
+        (np.array([1.0, 2.0]), "integers"),
+        (np.zeros((2, 2), dtype=np.int64), "1-D"),
+    ],
+)
+def test_checked_pages_refuses_bad_lists(pages: Any, match: str) -> None:
+    with pytest.raises(TransportParamError, match=match):
+        CheckedPages(pages)
+
+
+@pytest.mark.timeout(10)
+def test_span_refuses_bad_spans() -> None:
+    for first, count in ((0, 0), (-1, 2), (2**31 - 1, 2)):
+        with pytest.raises(TransportParamError):
+            CheckedPages.span(first, count)
+
+
+@pytest.mark.timeout(10)
+def test_as_pages_passes_int64_arrays_through_and_converts_the_rest() -> None:
+    arr = np.arange(5, dtype=np.int64)
+    assert as_pages(arr, "x") is arr
+    assert as_pages([1, 2], "x").dtype == np.int64
+    assert as_pages(np.arange(3, dtype=np.int32), "x").dtype == np.int64
+    assert as_pages(CheckedPages([4, 2]), "x").tolist() == [4, 2]
+
+
+# ------------------------------------------------------------------ poll pacing (no NIXL)
+
+
+@pytest.mark.timeout(10)
+def test_poll_pauses_spin_then_grow_with_elapsed_time() -> None:
+    pauses = poll_pauses(spin_s=0.002)
+    first = [next(pauses) for _ in range(3)]
+    assert first == [0.0, 0.0, 0.0]  # spinning: poll again at once
+    time.sleep(0.003)
+    early = next(pauses)
+    assert transport_mod.POLL_PAUSE_MIN_S <= early <= 0.003 * transport_mod.POLL_PAUSE_FRACTION * 2
+    time.sleep(0.05)
+    late = next(pauses)
+    assert late == transport_mod.POLL_PAUSE_MAX_S  # capped: a long write costs 1 poll per ms
+    fixed = poll_pauses(spin_s=0.0)
+    assert next(fixed) == transport_mod.POLL_PAUSE_MIN_S
+
+
+@pytest.mark.timeout(10)
+def test_pause_between_polls_never_sleeps_for_zero() -> None:
+    # time.sleep(0) costs 30-90 us on these VMs; a yield costs about 1 us. 2,000 zero pauses
+    # must take far less than 2,000 sleeps would (>= 60 ms); generous for a loaded machine.
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        pause_between_polls(0.0)
+    assert time.perf_counter() - t0 < 0.05
+
+
+# ------------------------------------------------------------------ writes with real NIXL
+
+def _connect(sp: SenderPool, peer: Any, session: str = "peer") -> None:
+    md = peer.metadata() if callable(peer.metadata) else peer.metadata
+    sp.transport.add_peer(session, md)
+
+
+def _write_and_check(
+    sp: SenderPool, peer: Any, src: Any, dst: Any, **kw: Any
+) -> None:
+    peer.zero_pages()  # a write that moved nothing must not pass on an earlier one's bytes
+    x = sp.transport.write_pages("peer", src, dst, **kw)
+    x.wait(10)
+    x.release()
+    assert peer.read_pages(list(np.asarray(dst))) == sp.page_bytes_of(np.asarray(src))
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "unprepared"])
+def test_checked_and_plain_writes_land_byte_exact(
+    decode_peer: Any, monkeypatch: pytest.MonkeyPatch, prepared: bool
+) -> None:
+    """Small (list path) and large (numpy path) writes, plain and checked, sliced, on
+    prepared descriptor lists (``makeXferReq``) and on per-write lists (``createXferReq``)."""
+    if not prepared:  # regions above this many pages are not prepared
+        monkeypatch.setattr(transport_mod, "_MAX_PREPPED_PAGES", 0)
+    sp = make_sender_pool()
+    try:
+        _connect(sp, decode_peer)
+        assert (sp.transport._regions["kv"].prepped_id is not None) is prepared
+        rng = np.random.default_rng(5)
+        for n in (1, 4, 16, 17, 64, 200):
+            src = rng.choice(NUM_PAGES, n, replace=False).astype(np.int64)
+            dst = rng.choice(NUM_PAGES, n, replace=False).astype(np.int64)
+            _write_and_check(sp, decode_peer, src, dst)
+            _write_and_check(sp, decode_peer, np.sort(src), np.sort(dst))  # runs coalesce
+            _write_and_check(sp, decode_peer, CheckedPages(src, unique=False), CheckedPages(dst))
+            if n > 2:
+                cs, cd = CheckedPages(src, unique=False), CheckedPages(dst)
+                _write_and_check(sp, decode_peer, cs[1:-1], cd[1:-1])
+            # Mixed: one checked, one plain (checked per write as usual).
+            _write_and_check(sp, decode_peer, CheckedPages(src, unique=False), dst)
+        assert sp.transport.stats().live_transfers == 0
+    finally:
+        sp.transport.close()
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.timeout(30)
+def test_large_bad_writes_never_reach_nixl(sender_pool: SenderPool, decode_peer: Any) -> None:
+    """The numpy checks of writes of more than 16 pages, and checked lists past a region,
+    refuse before any NIXL call (NIXL itself would wrap 2**32 + 1 to page 1 unchecked)."""
+    tr = sender_pool.transport
+    _connect(sender_pool, decode_peer)
+    ok = np.arange(20, dtype=np.int64)
+    wrap = ok.copy()
+    wrap[7] = 2**32 + 1
+    neg = ok.copy()
+    neg[3] = -1
+    dup = ok[::-1].copy()
+    dup[10] = dup[2]  # not adjacent, not sorted
+    far = np.arange(NUM_PAGES - 5, NUM_PAGES + 15, dtype=np.int64)
+    cases = [
+        ("src wraps in int32", wrap, ok, "src_pages: page 4294967297 out of range"),
+        ("dst wraps in int32", ok, wrap, "dst_pages: page 4294967297 out of range"),
+        ("negative src", neg, ok, "src_pages: page -1 out of range"),
+        ("duplicate dst, unsorted", ok, dup, "dst_pages contains duplicates"),
+        ("dst past the pool", ok, far, "dst_pages: page"),
+        ("checked dst past the peer's pool", CheckedPages(ok), CheckedPages(far), "dst_pages"),
+        ("checked src past the pool", CheckedPages(far), CheckedPages(ok), "src_pages"),
+        ("checked dst not distinct", CheckedPages(ok), CheckedPages(dup, unique=False),
+         "duplicates"),
+    ]
+
+    class _NoNixl:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def __getattr__(self, name: str) -> Any:
+            self.calls.append(name)
+            raise AssertionError(f"NIXL touched: {name}")
+
+    real = tr._xfer_agent
+    spy = _NoNixl()
+    tr._xfer_agent = spy
+    try:
+        for what, src, dst, match in cases:
+            with pytest.raises(TransportParamError, match=match):
+                tr.write_pages("peer", src, dst)
+                pytest.fail(f"no error for {what}")
+    finally:
+        tr._xfer_agent = real
+    assert spy.calls == []
+    assert tr.stats().transfers_started == 0
+    # A slice whose parent's bound is past the pool, but which is itself in range, is fine.
+    wide = CheckedPages(np.concatenate([ok, far]))
+    x = tr.write_pages("peer", CheckedPages(ok), wide[:20])
+    x.wait(10)
+    x.release()
+    assert decode_peer.read_pages(ok.tolist()) == sender_pool.page_bytes_of(ok)
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.timeout(30)
+def test_close_drops_the_binding_agent(decode_peer: Any) -> None:
+    """Transfers hold the binding agent directly; close() must still drop it (else NIXL's
+    progress thread would outlive the transport) and refuse later writes."""
+    sp = make_sender_pool()
+    _connect(sp, decode_peer)
+    x = sp.transport.write_pages("peer", [1, 2], [3, 4])
+    x.wait(10)
+    sp.transport.close()
+    assert x.released and sp.transport._xfer_agent is None and sp.transport._agent is None
+    with pytest.raises(Exception, match="closed"):
+        sp.transport.write_pages("peer", [1], [1])
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.timeout(30)
+def test_wait_after_release_still_raises(sender_pool: SenderPool, decode_peer: Any) -> None:
+    """``wait()``'s shortcut for a write done at the post never hides a release."""
+    from sender.errors import TransferReleasedError
+
+    _connect(sender_pool, decode_peer)
+    x = sender_pool.transport.write_pages("peer", [1], [2])
+    x.wait(10)
+    x.release()
+    with pytest.raises(TransferReleasedError):
+        x.wait(1)
+    with pytest.raises(TransferReleasedError):
+        x.poll()
+
+
+@pytest.mark.timeout(10)
+def test_module_constants_are_consistent() -> None:
+    assert transport_mod.POLL_PAUSE_MIN_S < transport_mod.POLL_PAUSE_MAX_S
+    assert 0 < transport_mod.POLL_PAUSE_FRACTION < 1
+    assert PAGE_BYTES > 0 and isinstance(NixlTransport, type)
+    assert list(itertools.islice(poll_pauses(1.0), 2)) == [0.0, 0.0]
