@@ -183,6 +183,7 @@ def test_large_bad_writes_never_reach_nixl(sender_pool: SenderPool, decode_peer:
         ("dst past the pool", ok, far, "dst_pages: page"),
         ("checked dst past the peer's pool", CheckedPages(ok), CheckedPages(far), "dst_pages"),
         ("checked src past the pool", CheckedPages(far), CheckedPages(ok), "src_pages"),
+        ("checked slice past the pool", CheckedPages(ok)[:15], CheckedPages(far)[5:], "dst"),
         ("checked dst not distinct", CheckedPages(ok), CheckedPages(dup, unique=False),
          "duplicates"),
     ]

@@ -205,4 +205,28 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=SENDER_TESTS,
         stress=SENDER_STRESS,
     ),
+    Mutant(
+        id="checked-pages-skip-bounds",
+        file="sender/transport.py",
+        original="""\
+            if src_checked.max_page >= li.num_pages or dst_checked.max_page >= remote.num_pages:""",
+        replacement="""\
+            if False:  # MUTANT: checked page lists are trusted against any region""",
+        kind="sequential",
+        description="write_pages trusts CheckedPages without comparing their bound with the "
+        "regions: a checked list built for a larger pool reaches NIXL",
+        tests=("tests/test_data_path.py",),
+    ),
+    Mutant(
+        id="checked-slice-drops-bound",
+        file="sender/pages.py",
+        original="""\
+        out._indices, out._max, out._unique = view, self._max, self._unique""",
+        replacement="""\
+        out._indices, out._max, out._unique = view, 0, self._unique  # MUTANT: bound lost""",
+        kind="sequential",
+        description="a CheckedPages slice forgets its parent's bound: out-of-range pages of "
+        "a slice pass the transport's O(1) check",
+        tests=("tests/test_data_path.py",),
+    ),
 )
