@@ -981,6 +981,8 @@ class NixlTransport:
                 )
         if timeout_s is None:
             timeout = self._default_timeout_s  # validated by __init__
+        elif type(timeout_s) is float and 0.0 < timeout_s <= _TIMEOUT_FAST_MAX:
+            timeout = timeout_s  # the common case (the manager's own, checked float)
         else:
             _check_timeout(timeout_s, "timeout_s")
             timeout = float(timeout_s)
@@ -1332,6 +1334,10 @@ def _memory_of(name: str, mem: torch.Tensor | npt.NDArray[Any]) -> tuple[int, in
     if mem.device.type == "cuda":
         return mem.data_ptr(), nbytes, "VRAM", mem.device.index or 0
     raise TransportParamError(f"region {name!r}: unsupported device {mem.device}")
+
+
+_TIMEOUT_FAST_MAX = 1e9
+"""A float deadline in ``(0, 1e9]`` s is valid as is (the full check also admits ``inf``)."""
 
 
 def _check_timeout(value: float, what: str) -> None:

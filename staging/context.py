@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from staging.errors import RoomAlreadyOpenError, RoomNotOpenError, RoomPurgedError
 from staging.locks import LockLevel, LockStats, MutexLock, RWLock, make_lock
@@ -66,6 +67,17 @@ class RoomHandle:
         # Normalised to exact ints: a handle is hashed and compared under locks.
         object.__setattr__(self, "room", check_room_id(self.room))
         object.__setattr__(self, "generation", check_index(self.generation, "generation"))
+
+
+def _checked_handle(
+    room: int, generation: int, _new: Any = object.__new__, _set: Any = object.__setattr__
+) -> RoomHandle:
+    """A :class:`RoomHandle` of values the caller already checked (exact ints >= 0): skips
+    ``__post_init__``'s checks (1.9 vs 0.6 us; ``open_room`` makes one per room)."""
+    handle = _new(RoomHandle)
+    _set(handle, "room", room)
+    _set(handle, "generation", generation)
+    return cast(RoomHandle, handle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +214,7 @@ class StagingContext:
             generation = next_generation()
             self._rooms[room] = _Room(generation)
             self._rooms_opened += 1
-        return RoomHandle(room, generation)
+        return _checked_handle(room, generation)  # both checked: room above, gen by counter
 
     def purge_room(self, room: RoomRef) -> RoomPurge:
         """Remove ``room`` from both collections and close it, in ONE critical section.

@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 from enum import IntEnum
 from types import TracebackType
-from typing import Literal, Protocol
+from typing import Literal, NoReturn, Protocol
 
 from readerwriterlock import rwlock
 
@@ -212,6 +212,35 @@ class _Guard:
         self._lock._release(self._inner, self._mode)
 
 
+class _FastMutexGuard(_Guard):
+    """The guard of a non-debug :class:`MutexLock`: the uncontended acquisition runs inline
+    (no call into :meth:`_LockBase._acquire`, ~0.3 µs less per acquisition: a room lifecycle
+    takes its lock ~20 times); a contended one goes through :meth:`_LockBase._acquire_contended`.
+    Same behaviour and counters as :class:`_Guard` (the lock contract tests run on both)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        if not self._inner.acquire(False):
+            self._lock._acquire_contended(self._inner, self._mode, untimed=self._untimed)
+            return
+        lock = self._lock
+        lock._owner = threading.get_ident()  # the holder's own writes, as in _acquire
+        if self._mode == "write":
+            lock._writes += 1
+        else:
+            lock._reads += 1
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._lock._owner = None
+        self._inner.release()
+
+
 class _LockBase:
     """Shared acquire/release logic: timeouts, counters, debug tracking."""
 
@@ -268,22 +297,34 @@ class _LockBase:
     def _acquire(self, inner: _Acquirable, mode: LockMode, *, untimed: bool = False) -> None:
         if self._debug:
             self._check_order(mode)
-        timeout_arg = -1.0 if untimed else self._timeout_arg
         # Contention is counted where a try-acquire is cheap (a threading.Lock, or any lock
         # in debug mode). readerwriterlock's non-blocking acquire costs more than the
         # blocking one (deadline arithmetic), so a non-debug RWLock goes straight to it.
         if self._count_contention and not inner.acquire(False):
-            with self._stats_lock:
-                self._contended += 1
-            acquired = inner.acquire(True, timeout_arg)
-        elif self._count_contention:
-            acquired = True
-        else:
-            acquired = inner.acquire(True, timeout_arg)
-        if not acquired:
-            with self._stats_lock:
-                self._timeouts += 1
-            raise LockTimeoutError(self._name, mode, self._timeout_arg)
+            self._acquire_contended(inner, mode, untimed=untimed)
+            return
+        if not self._count_contention and not inner.acquire(
+            True, -1.0 if untimed else self._timeout_arg
+        ):
+            self._timed_out(mode)
+        self._note_acquired(mode)
+
+    def _acquire_contended(self, inner: _Acquirable, mode: LockMode, *, untimed: bool) -> None:
+        """Finish an acquisition whose try-acquire failed: count it, then block (up to the
+        timeout unless ``untimed``)."""
+        with self._stats_lock:
+            self._contended += 1
+        if not inner.acquire(True, -1.0 if untimed else self._timeout_arg):
+            self._timed_out(mode)
+        self._note_acquired(mode)
+
+    def _timed_out(self, mode: LockMode) -> NoReturn:
+        with self._stats_lock:
+            self._timeouts += 1
+        raise LockTimeoutError(self._name, mode, self._timeout_arg)
+
+    def _note_acquired(self, mode: LockMode) -> None:
+        """The new holder's bookkeeping (owner, counters, debug tracking)."""
         if self._exclusive_only or mode == "write":
             self._owner = threading.get_ident()
             if mode == "write":
@@ -407,9 +448,10 @@ class MutexLock(_LockBase):
         self._mutex = _new_thread_lock()
         # A mutex guard carries no per-use state, so one instance per mode serves every use
         # and every thread (unlike readerwriterlock's generated lock objects).
-        self._read_guard = _Guard(self, self._mutex, "read")
-        self._write_guard = _Guard(self, self._mutex, "write")
-        self._untimed_guard = _Guard(self, self._mutex, "write", untimed=True)
+        guard = _Guard if self._debug else _FastMutexGuard  # debug: order/reentry checks
+        self._read_guard = guard(self, self._mutex, "read")
+        self._write_guard = guard(self, self._mutex, "write")
+        self._untimed_guard = guard(self, self._mutex, "write", untimed=True)
 
     def _held_by_anyone(self) -> bool:
         return self._mutex.locked()

@@ -218,3 +218,24 @@ def test_make_lock_rejects_bad_arguments() -> None:
         make_lock("rw", "t", True)
     with pytest.raises(ValueError):
         make_lock("rw", "t", 1, timeout=0)
+
+
+def test_contract_suite_runs_on_the_fast_mutex_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests above build locks without ``debug``: a non-debug mutex there uses the inline
+    guard (``_FastMutexGuard``), debug mode the full one, so both are under the contract."""
+    from staging.locks import _FastMutexGuard, _Guard
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    fast = make_lock("mutex", "t", 1)
+    full = make_lock("mutex", "t", 1, debug=True)
+    assert all(type(g) is _FastMutexGuard for g in (fast.read(), fast.write()))
+    assert all(type(g) is _Guard for g in (full.read(), full.write()))
+    # The inline path keeps the same counters and owner as the full one.
+    with fast.write():
+        fast.assert_held("write")
+    with fast.read():
+        fast.assert_held("read")
+    st = fast.stats()
+    assert (st.write_acquisitions, st.read_acquisitions, st.contended) == (1, 1, 0)
+    with pytest.raises(LockNotHeldError):
+        fast.assert_held("write")

@@ -61,6 +61,33 @@ def test_float_and_bool_destination_pages_are_refused() -> None:
     assert list(make_transfer_info(SESSION, [3, 4]).dst_pages) == [3, 4]
 
 
+def test_infos_not_made_by_make_transfer_info_are_checked_again(mgr: KVManager) -> None:
+    """add_transfer_info takes an info made by make_transfer_info as it is (no second
+    check), but one built directly or copied with dataclasses.replace is checked again."""
+    import dataclasses
+
+    import numpy as np
+
+    from sender.manager import TransferInfo
+
+    good = make_transfer_info(SESSION, [1, 2, 3])
+    forged = [
+        dataclasses.replace(good, dst_pages=np.array([-1, 2, 3])),
+        TransferInfo(SESSION, np.array([1.5, 2.0])),  # type: ignore[arg-type]
+        dataclasses.replace(good, decode_prefix_len=-1),
+    ]
+    for i, info in enumerate(forged):
+        s = NixlKVSender(mgr, 100 + i, [SESSION])
+        with pytest.raises((TypeError, ValueError)):
+            s.kv_mgr.add_transfer_info(s._handle, info)
+        s.clear()
+    s = NixlKVSender(mgr, 110, [SESSION], [good])
+    s.init(3)
+    s.send([4, 5, 6])
+    assert _wait(s) is KVPoll.Success
+    s.clear()
+
+
 def test_a_str_as_session_ids_is_refused(mgr: KVManager) -> None:
     for bad in ("ab", "decode-0", b"d0"):
         with pytest.raises(TypeError, match="sequence of session id strings"):
