@@ -255,3 +255,35 @@ def test_module_constants_are_consistent() -> None:
     assert 0 < transport_mod.POLL_PAUSE_FRACTION < 1
     assert PAGE_BYTES > 0 and isinstance(NixlTransport, type)
     assert list(itertools.islice(poll_pauses(1.0), 2)) == [0.0, 0.0]
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.timeout(30)
+def test_adopting_guide_checked_pages_example_runs(
+    sender_pool: SenderPool, decode_peer: Any
+) -> None:
+    """docs/ADOPTING.md's CheckedPages example runs as written and moves the right bytes."""
+    import re
+    from pathlib import Path
+
+    guide = Path(__file__).resolve().parent.parent / "docs" / "ADOPTING.md"
+    text = guide.read_text(encoding="utf-8")
+    section = text[text.index("## Handing pages to the sender") :]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "no python example under '## Handing pages to the sender'"
+    sender_pool.transport.add_peer("decode-0", decode_peer.metadata())
+    kv_pages = np.arange(40, 72, dtype=np.int64)
+    decode_pages = np.arange(100, 132, dtype=np.int64)
+    scope: dict[str, Any] = {
+        "transport": sender_pool.transport,
+        "kv_pages": kv_pages,
+        "decode_pages": decode_pages,
+    }
+    exec(compile(match.group(1), "docs/ADOPTING.md:checked", "exec"), scope)
+    xfer = scope["xfer"]
+    xfer.wait(10)
+    xfer.release()
+    assert decode_peer.read_pages(decode_pages[:16].tolist()) == sender_pool.page_bytes_of(
+        kv_pages[:16]
+    )
