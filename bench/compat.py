@@ -43,6 +43,7 @@ from bench._harness import (
     median,
     median_ratio,
 )
+from bench.purge_scaling import UpstreamSets
 from staging import PrefetchKey, RoomHandle, StagingContext
 from staging.compat import CompatStagingContext
 
@@ -108,22 +109,9 @@ QUICK = Preset(
 )
 
 
-class UpstreamSets:
-    """The upstream bookkeeping: two bare sets, purge by discard + rebuild (no lock)."""
-
-    __slots__ = ("prefetch_requested", "prefetched_rooms")
-
-    def __init__(self) -> None:
-        self.prefetched_rooms: set[int] = set()
-        self.prefetch_requested: set[PrefetchKey] = set()
-
-    def fill(self, room: int) -> None:
-        self.prefetch_requested.update((room, c, SESSION) for c in range(KEYS_PER_ROOM))
-        self.prefetched_rooms.add(room)
-
-    def purge(self, room: int) -> None:
-        self.prefetched_rooms.discard(room)
-        self.prefetch_requested = {k for k in self.prefetch_requested if k[0] != room}
+def _upstream() -> UpstreamSets:
+    """The upstream pattern (``bench/purge_scaling.py``'s), one session, this bench's keys."""
+    return UpstreamSets(KEYS_PER_ROOM, lambda _room: SESSION)
 
 
 @dataclass
@@ -178,7 +166,7 @@ def _fill_context(size: _Size, room: int) -> None:
 def _build(rooms: int, preset: Preset, rng: random.Random) -> _Size:
     size = _Size(
         rooms=rooms,
-        upstream=UpstreamSets(),
+        upstream=_upstream(),
         compat=CompatStagingContext(),
         context=StagingContext(debug=False),
         handles={},
@@ -388,7 +376,7 @@ def _lifecycle_cells(preset: Preset) -> list[tuple[str, Callable[[], float]]]:
     purged id)."""
     chunks = range(KEYS_PER_ROOM)
     ids = iter(range(1, 2**62))
-    upstream = UpstreamSets()
+    upstream = _upstream()
     compat = CompatStagingContext()
     context = StagingContext(debug=False)
     n = preset.lifecycles

@@ -82,17 +82,25 @@ QUICK = Preset(
 
 
 class UpstreamSets:
-    """The upstream bookkeeping: two bare sets, no lock, no per-room index."""
+    """The upstream bookkeeping: two bare sets, no lock, no per-room index; purge by discard
+    + rebuild. ``fill(room)`` records ``keys_per_room`` chunks of ``session_of(room)``.
+    Shared with ``bench/compat.py``."""
 
-    __slots__ = ("prefetch_requested", "prefetched_rooms")
+    __slots__ = ("keys_per_room", "prefetch_requested", "prefetched_rooms", "session_of")
 
-    def __init__(self) -> None:
+    def __init__(
+        self, keys_per_room: int = KEYS_PER_ROOM, session_of: Callable[[int], str] | None = None
+    ) -> None:
+        self.keys_per_room = keys_per_room
+        self.session_of = _session if session_of is None else session_of
         self.prefetched_rooms: set[int] = set()
         self.prefetch_requested: set[PrefetchKey] = set()
 
     def fill(self, room: int) -> None:
-        session = _session(room)
-        self.prefetch_requested.update((room, chunk, session) for chunk in range(KEYS_PER_ROOM))
+        session = self.session_of(room)
+        self.prefetch_requested.update(
+            (room, chunk, session) for chunk in range(self.keys_per_room)
+        )
         self.prefetched_rooms.add(room)
 
     def purge(self, room: int) -> None:

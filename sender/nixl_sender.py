@@ -30,7 +30,7 @@ def _as_indices(kv_indices: Sequence[int] | PageArray, what: str) -> PageArray:
     """Validate a 1-D list/array of integer page indices (bools refused)."""
     arr = np.asarray(kv_indices)
     # dtype.kind, not np.issubdtype (~2.5 us a call here): this runs once per chunk.
-    if arr.dtype.kind not in "iu" and arr.size:
+    if arr.dtype.kind == "b" or (arr.size and arr.dtype.kind not in "iu"):
         raise TypeError(f"{what} must hold ints, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")

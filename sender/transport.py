@@ -76,7 +76,7 @@ from sender.errors import (
     classify,
     status_name,
 )
-from sender.pages import CheckedPages, as_pages
+from sender.pages import CheckedPages, as_pages, scan_pages
 from staging.validate import check_seconds
 
 if TYPE_CHECKING:  # torch is imported lazily: a CPU-only peer process need not pay ~2 s for it
@@ -560,11 +560,10 @@ class Transfer:
                 except Exception as exc:
                     error = exc
             tx = self._transport
-            with tx._lock:  # the transport's bookkeeping, inline: this runs once per write
+            with tx._lock:  # one round trip for the transport's bookkeeping
                 if self in tx._live:
                     tx._n_released += 1
-                    tx._live.discard(self)
-                self._peer.transfers.discard(self)
+                tx._forget_locked(self)
                 if error is not None and handle is not None:
                     tx._refused_handles.append(handle)
                     tx._n_release_refused += 1
@@ -981,8 +980,6 @@ class NixlTransport:
                 )
         if timeout_s is None:
             timeout = self._default_timeout_s  # validated by __init__
-        elif type(timeout_s) is float and 0.0 < timeout_s <= _TIMEOUT_FAST_MAX:
-            timeout = timeout_s  # the common case (the manager's own, checked float)
         else:
             _check_timeout(timeout_s, "timeout_s")
             timeout = float(timeout_s)
@@ -995,16 +992,15 @@ class NixlTransport:
             and dst_pages.unique
         ):
             src_checked, dst_checked = src_pages, dst_pages
-        checked = src_checked is not None
-        if src_checked is not None:
-            src = dst = _NO_PAGES  # not needed unless the regions are unprepared
+            src = dst = _NO_PAGES  # int64 arrays are made only on the rare paths needing them
+            n, n_dst = len(src_pages), len(dst_pages)
         else:
             src = as_pages(src_pages, "src_pages")
             dst = as_pages(dst_pages, "dst_pages")
-        n = len(src_pages) if checked else len(src)
-        if n != (len(dst_pages) if checked else len(dst)):
+            n, n_dst = len(src), len(dst)
+        if n != n_dst:
             raise TransportParamError(
-                f"src_pages and dst_pages differ in length ({n} vs {len(dst_pages)})"
+                f"src_pages and dst_pages differ in length ({n} vs {n_dst})"
             )
         if n == 0:
             raise TransportParamError("no pages to write")
@@ -1058,7 +1054,7 @@ class NixlTransport:
         local_prepped = local.prepped_id
         remote_prepped = peer.prepped_ids.get(dst_region)
         if local_prepped is not None and remote_prepped is not None:
-            if n > _SMALL_WRITE and not checked:  # in range (checked above): < 2**31
+            if n > _SMALL_WRITE and src_checked is None:  # in range (checked above)
                 src_idx, dst_idx = src.astype(np.int32), dst.astype(np.int32)
         else:
             local_prepped = remote_prepped = None
@@ -1336,10 +1332,6 @@ def _memory_of(name: str, mem: torch.Tensor | npt.NDArray[Any]) -> tuple[int, in
     raise TransportParamError(f"region {name!r}: unsupported device {mem.device}")
 
 
-_TIMEOUT_FAST_MAX = 1e9
-"""A float deadline in ``(0, 1e9]`` s is valid as is (the full check also admits ``inf``)."""
-
-
 def _check_timeout(value: float, what: str) -> None:
     """A deadline in seconds: a number > 0, ``inf`` for none; not NaN, not a huge int.
     Raises TransportParamError."""
@@ -1472,24 +1464,13 @@ def _check_pages(
     pages: npt.NDArray[np.int64], num_pages: int, what: str, region: str, *, unique: bool
 ) -> None:
     """Raise :class:`TransportParamError` unless every index of ``pages`` (1-D int64, more
-    than a few) is in ``range(num_pages)`` and, with ``unique``, no index repeats.
-
-    Strictly increasing indices (the common case) need one comparison and one count, and
-    their bounds are their ends; only otherwise is every index compared (an unsigned view
-    turns negatives into huge values: one comparison for both bounds) or, for ``unique``,
-    sorted. ``ndarray.min()``/``max()``/``all()`` cost 3-4 us each on these VMs."""
-    n = pages.shape[0]
-    if np.count_nonzero(pages[1:] > pages[:-1]) == n - 1:
-        lo, hi = pages.item(0), pages.item(-1)
-        if lo < 0 or hi >= num_pages:
-            _check_bounds(lo, hi, num_pages, what, region)
-        return
-    if np.count_nonzero(pages.view(np.uint64) >= num_pages):
-        _check_bounds(int(pages.min()), int(pages.max()), num_pages, what, region)
-    if unique:
-        ordered = np.sort(pages)
-        if np.count_nonzero(ordered[1:] == ordered[:-1]):
-            raise TransportParamError(f"{what} contains duplicates")
+    than a few) is in ``range(num_pages)`` and, with ``unique``, no index repeats (the
+    scan is :func:`sender.pages.scan_pages`, shared with :class:`CheckedPages`)."""
+    lo, hi, repeats = scan_pages(pages, unique=unique)
+    if lo < 0 or hi >= num_pages:
+        _check_bounds(lo, hi, num_pages, what, region)
+    if repeats:
+        raise TransportParamError(f"{what} contains duplicates")
 
 
 def _mem_seg(bindings: Any, mem_type: str) -> Any:

@@ -40,6 +40,8 @@ def check_seconds(
         ValueError: NaN; negative, or zero unless ``allow_zero``; infinite unless
             ``allow_inf``; an ``int`` too large for a float.
     """
+    if type(value) is float and 0.0 < value < math.inf:  # the common case, valid in every mode
+        return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{what} must be a number of seconds, got {value!r}")
     try:

@@ -27,6 +27,14 @@ def fast_switch() -> Iterator[None]:
 
 
 @pytest.fixture
+def frontrun_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Let ``frontrun.explore`` run inside plain pytest: frontrun skips unless it believes
+    it runs under its CLI (``FRONTRUN_ACTIVE=1``); see tests/test_dpor_staging.py."""
+    monkeypatch.setenv("FRONTRUN_ACTIVE", "1")
+    yield
+
+
+@pytest.fixture
 def thread_excepthook() -> Iterator[list[threading.ExceptHookArgs]]:
     """Capture exceptions escaping any thread; the test asserts the list is empty."""
     caught: list[threading.ExceptHookArgs] = []

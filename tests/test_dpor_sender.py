@@ -25,7 +25,7 @@ interleaving in which it resurrects the cleared room.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import frontrun
@@ -52,12 +52,6 @@ EXPLORE: dict[str, Any] = {
 }
 PAGE_BYTES = 16
 
-
-@pytest.fixture
-def frontrun_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Let ``frontrun.explore`` run inside plain pytest (see tests/test_dpor_staging.py)."""
-    monkeypatch.setenv("FRONTRUN_ACTIVE", "1")
-    yield
 
 
 class GuardedTransfer:

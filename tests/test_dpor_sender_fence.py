@@ -38,7 +38,7 @@ the stress suite.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import frontrun
@@ -57,12 +57,6 @@ pytestmark = pytest.mark.timeout(300)
 
 ROOM = 5
 
-
-@pytest.fixture
-def frontrun_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Let ``frontrun.explore`` run inside plain pytest (see tests/test_dpor_staging.py)."""
-    monkeypatch.setenv("FRONTRUN_ACTIVE", "1")
-    yield
 
 
 class FencedTransport(InstantTransport):

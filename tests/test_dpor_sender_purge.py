@@ -31,7 +31,6 @@ owns every thread (see ``tests/test_dpor_sender.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import frontrun
@@ -49,12 +48,6 @@ pytestmark = pytest.mark.timeout(300)
 
 ROOM = 5
 
-
-@pytest.fixture
-def frontrun_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Let ``frontrun.explore`` run inside plain pytest (see tests/test_dpor_staging.py)."""
-    monkeypatch.setenv("FRONTRUN_ACTIVE", "1")
-    yield
 
 
 def _manager(cls: type[KVManager] = KVManager) -> KVManager:

@@ -11,9 +11,9 @@ interleavings explored.
 Wiring under plain ``pytest``: frontrun refuses to run (it skips) unless it believes it runs
 under its CLI (``FRONTRUN_ACTIVE=1``) or locks are patched for the whole session
 (``--frontrun-patch-locks``). ``explore()`` patches and unpatches the locks itself, so the
-``frontrun_enabled`` fixture below only sets ``FRONTRUN_ACTIVE=1`` for these tests (with
-``monkeypatch``, undone after each), and asserts that something was explored so that a skip
-or an empty exploration cannot pass silently.
+``frontrun_enabled`` fixture (tests/conftest.py) only sets ``FRONTRUN_ACTIVE=1`` for these
+tests (with ``monkeypatch``, undone after each), and each test asserts that something was
+explored so that a skip or an empty exploration cannot pass silently.
 
 Contexts are built with ``debug=False``: debug mode adds bookkeeping to every acquisition
 (the per-thread held-lock list, the try-acquire that counts contention) that the explorer
@@ -27,7 +27,7 @@ Every proof is paired with a planted bug the explorer must catch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import frontrun
@@ -47,12 +47,6 @@ EXPLORE: dict[str, Any] = {
     "timeout_per_run": 10.0,
 }
 
-
-@pytest.fixture
-def frontrun_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Let ``frontrun.explore`` run inside plain pytest (see the module docstring)."""
-    monkeypatch.setenv("FRONTRUN_ACTIVE", "1")
-    yield
 
 
 def explore(
