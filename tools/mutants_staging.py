@@ -201,4 +201,22 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
+    Mutant(
+        id="fast-mutex-guard-skips-wait",
+        file="staging/locks.py",
+        original="""\
+        if not self._inner.acquire(False):
+            self._lock._acquire_contended(self._inner, self._mode, untimed=self._untimed)
+            return
+        lock = self._lock""",
+        replacement="""\
+        if not self._inner.acquire(False):
+            return  # MUTANT: a contended acquisition goes on without the lock
+        lock = self._lock""",
+        kind="race",
+        description="the inline (non-debug) mutex guard enters without waiting when the lock "
+        "is taken: mutual exclusion is lost only under contention",
+        tests=("tests/test_locks.py", *STAGING_TESTS),
+        stress=STAGING_STRESS,
+    ),
 )
