@@ -1,6 +1,6 @@
 """``make mutants``: apply curated concurrency and lifecycle mutants and see what kills them.
 
-For each mutant (``tools/mutants_staging.py``, ``tools/mutants_sender.py``; see
+For each mutant (every ``tools/mutants_*.py`` data module, e.g. ``tools/mutants_sender.py``; see
 :class:`tools.mutants_spec.Mutant`) the runner
 
 1. copies the repository (tracked and untracked files git does not ignore; no ``.venv``, no
@@ -49,7 +49,14 @@ from typing import Any
 from tools.mutants_spec import NOT_CONCURRENCY_CHECKS, Mutant
 
 REPO = Path(__file__).resolve().parents[1]
-DATA_MODULES = ("tools.mutants_staging", "tools.mutants_sender")
+_NOT_DATA = frozenset({"mutants", "mutants_spec", "mutants_guard"})
+DATA_MODULES = tuple(
+    f"tools.{p.stem}"
+    for p in sorted(Path(__file__).parent.glob("mutants_*.py"))
+    if p.stem not in _NOT_DATA
+)
+"""Every ``tools/mutants_*.py`` that defines ``MUTANTS`` (the runner, spec and guard excluded):
+one data module per mechanism family, so that mutants of different areas live apart."""
 EXCLUDED_PARTS = frozenset(
     {
         ".venv",
