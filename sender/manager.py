@@ -61,6 +61,7 @@ from staging.context import RoomHandle, RoomPurge, StagingContext
 from staging.errors import RoomAlreadyOpenError
 from staging.locks import LockLevel, MutexLock, RWLock, make_lock
 from staging.validate import (
+    bounded_wait,
     check_chunk_idx,
     check_index,
     check_room_id,
@@ -117,8 +118,8 @@ class TransferInfo:
     dst_region: str = "kv"
     dst_checked: CheckedPages | None = field(default=None, compare=False, repr=False)
     """``dst_pages`` checked once (distinct, < 2**31; :mod:`sender.pages`): chunks pass
-    slices of it, so the transport does not check them again per write. ``None`` when empty
-    or when a page repeats (the transport then checks, and refuses, per write)."""
+    slices of it, so the transport does not check them again per write. ``None`` only when
+    ``dst_pages`` is empty (:func:`make_transfer_info` refuses repeated pages)."""
 
 
 _MADE_INFOS: weakref.WeakValueDictionary[int, TransferInfo] = weakref.WeakValueDictionary()
@@ -141,8 +142,9 @@ def make_transfer_info(
     Raises:
         TypeError: a page list that does not hold ints (floats and bools are refused), a bad
             session id, prefix length or byte range type.
-        ValueError: a page list that is not 1-D or has a negative page, a bad prefix length
-            or byte range.
+        ValueError: a page list that is not 1-D, has a negative page, a page of ``2**31`` or
+            more, or a page that repeats (anywhere in the list: whatever the chunking, two
+            room pages would land on one decode page); a bad prefix length or byte range.
     """
     session_id = check_session_id(session_id)
     raw = np.asarray(dst_pages)
@@ -151,12 +153,13 @@ def make_transfer_info(
         # float or bool page numbers would be truncated/cast silently: KV pages would land
         # in the wrong decode slots.
         raise TypeError(f"dst_pages must hold ints, got dtype {raw.dtype}")
-    arr = np.array(raw, dtype=np.int64, copy=True)
+    try:
+        arr = np.array(raw, dtype=np.int64, copy=True)
+    except OverflowError:
+        raise ValueError("dst_pages holds a page index beyond int64") from None
     if arr.ndim != 1:
         raise ValueError("dst_pages must be a 1-D sequence of page indices")
-    checked = _checked_dst(arr)  # when it succeeds, every page is >= 0 already
-    if checked is None and arr.size and int(arr.min()) < 0:
-        raise ValueError("dst_pages must be >= 0")
+    checked = _checked_dst(arr)
     arr.setflags(write=False)
     check_index(decode_prefix_len, "decode_prefix_len")
     if decode_prefix_len > arr.size:
@@ -172,14 +175,31 @@ def make_transfer_info(
 
 
 def _checked_dst(pages: PageArray) -> CheckedPages | None:
-    """``pages`` as :class:`CheckedPages` (distinct), or ``None`` if empty or not valid as
-    such (repeated or huge pages: the transport refuses those per write, as before)."""
+    """``pages`` as :class:`CheckedPages` (distinct), or ``None`` if empty.
+
+    A session's destination pages are refused as a whole, whatever the chunking: a page that
+    repeats would be written twice (by two chunks: the second write silently overwrites the
+    first room page; by one chunk: the transport refuses the write), and a page NIXL cannot
+    address (its indices are 32-bit) would fail every write.
+
+    Raises:
+        ValueError: a negative page, a page of ``2**31`` or more, or a repeated page.
+    """
     if pages.size == 0:
         return None
     try:
         return CheckedPages(pages, unique=True)
     except TransportParamError:
-        return None
+        pass
+    if int(pages.min()) < 0:
+        raise ValueError("dst_pages must be >= 0")
+    if int(pages.max()) >= 1 << 31:
+        raise ValueError(f"dst_pages holds page {int(pages.max())}: NIXL page indices are < 2**31")
+    ordered = np.sort(pages)
+    repeated = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+    raise ValueError(
+        f"dst_pages repeats page {repeated}: each decode page receives one room page"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +354,12 @@ _WORKER_SPIN_S = 200e-6
 would take the CPU from NIXL's progress thread and the peer."""
 
 _HUNG_SWEEP_S = 0.05
-"""How long an idle worker waits for a job before it re-checks hung chunks."""
+"""Hung chunks are re-checked this often (:meth:`KVManager._maybe_sweep`), busy or idle."""
+
+_CLAIMED_END_GRACE_S = 0.5
+"""``close()`` waits at least this long for chunk ends that other threads claimed before it
+abandoned the rest (a release and a few dict updates each), so that their rooms' notices are
+queued before the notifier stops."""
 
 _COUNTERS = (
     "rooms_opened",
@@ -373,8 +398,9 @@ class KVManager:
         slot_timeout_s: how long a worker waits for a free staging slot.
         lock: kind of the manager's room lock (``"mutex"`` or ``"rw"``).
         debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
-        poll_interval_s: how long a worker sleeps between polls of a pending transfer;
-            ``None`` (default) adapts, as :meth:`sender.transport.Transfer.wait` does
+        poll_interval_s: how long a worker sleeps between polls of a pending transfer
+            (at most ``transfer_timeout_s``); ``None`` (default) adapts, as
+            :meth:`sender.transport.Transfer.wait` does
             (:func:`sender.transport.poll_pauses`: polls with only a ``sched_yield``
             between them for 200 µs, then pauses of 1/16 of the time polled so far, 20 µs
             to 1 ms).
@@ -386,7 +412,9 @@ class KVManager:
             best effort (counted in ``stats()``), never on the caller's thread.
 
     Raises:
-        TypeError, ValueError: bad arguments.
+        TypeError, ValueError: bad arguments (every timeout is checked here: a finite number,
+            ``poll_interval_s`` not above ``transfer_timeout_s``; a wait longer than
+            ``threading.TIMEOUT_MAX`` is cut to it).
     """
 
     def __init__(
@@ -414,6 +442,12 @@ class KVManager:
         check_seconds(slot_timeout_s, "slot_timeout_s", allow_zero=True)
         if poll_interval_s is not None:
             check_seconds(poll_interval_s, "poll_interval_s", allow_zero=True)
+            if poll_interval_s > transfer_timeout_s:
+                # A worker that pauses longer than a transfer's deadline between polls would
+                # keep its room Transferring past the deadline (the contract's bound).
+                raise ValueError(
+                    f"poll_interval_s {poll_interval_s} > transfer_timeout_s {transfer_timeout_s}"
+                )
         self.transport = transport
         self.kv_pool = kv_pool
         self.staging = staging if staging is not None else StagingContext(debug=debug)
@@ -444,6 +478,11 @@ class KVManager:
         # its entry's inflight or in _draining too). Swept by idle workers, progress() and
         # wait_drained() until its transfer settles.
         self._hung: dict[int, _Inflight] = {}
+        # _sweep_claim: one thread at a time sweeps hung chunks (a non-blocking acquire, so
+        # nobody waits for it); _sweep_due (monotonic s) is written only by its holder and
+        # read without it (a float read is atomic; a stale read delays a sweep by one call).
+        self._sweep_claim = threading.Lock()
+        self._sweep_due = 0.0
         # _closing: set once by close(), under the write lock, so that open_room (which
         # checks it under the same lock) and close() are mutually atomic.
         self._closing = False
@@ -578,13 +617,15 @@ class KVManager:
         (each chunk still ends exactly once).
 
         Raises:
-            TypeError, ValueError: bad ``handle`` or ``timeout_s`` (not a finite number >= 0).
+            TypeError, ValueError: bad ``handle`` or ``timeout_s`` (not a number >= 0;
+                ``inf`` waits as long as it takes).
         """
         if handle is not None:
             _check_handle(handle)
-        check_seconds(timeout_s, "timeout_s", allow_zero=True)
+        timeout_s = check_seconds(timeout_s, "timeout_s", allow_zero=True, allow_inf=True)
         deadline = time.monotonic() + timeout_s
         while True:
+            self._maybe_sweep()
             with self._room_lock.read():
                 pending = [
                     i
@@ -869,13 +910,15 @@ class KVManager:
         """Inline mode: poll the room's pending transfers, and every draining one, once each.
 
         A transport error fails the chunk's room (never raised). Safe from several threads
-        at once: each chunk still ends exactly once. No-op with workers. Thread-safe.
+        at once: each chunk still ends exactly once. With workers it only sweeps hung chunks
+        when a sweep is due (every 50 ms). Thread-safe.
 
         Raises:
             TypeError: ``handle`` is not a :class:`RoomHandle`.
         """
         _check_handle(handle)
         if self._workers:
+            self._maybe_sweep()  # hung chunks are swept wherever the manager runs
             return
         with self._room_lock.read():
             entry = self._live(handle)
@@ -1024,8 +1067,11 @@ class KVManager:
         behind (a daemon thread) rather than failing ``close``.
 
         Raises:
+            TypeError, ValueError: bad ``timeout_s`` (not a number >= 0; ``inf`` waits as long
+                as it takes), checked before anything changes.
             RuntimeError: a worker did not stop within ``timeout_s``.
         """
+        timeout_s = check_seconds(timeout_s, "timeout_s", allow_zero=True, allow_inf=True)
         deadline = time.monotonic() + timeout_s
         with self._room_lock.write_untimed():
             self._closing = True
@@ -1042,8 +1088,20 @@ class KVManager:
         for inflight in left:
             if self._end(inflight, None, abandoned=True):
                 self._count("transfers_abandoned")
+        # A chunk that another thread claimed before us is not abandoned: its end (a release
+        # and its accounting) is in progress and queues its room's notice. Wait for those
+        # ends before the notifier is told to stop, at least _CLAIMED_END_GRACE_S.
+        settle_until = max(deadline, time.monotonic() + _CLAIMED_END_GRACE_S)
+        while True:
+            with self._room_lock.read():
+                ending = len(self._draining)
+            if not ending or time.monotonic() >= settle_until:
+                break
+            time.sleep(0.0005)
         with self._room_lock.write_untimed():
-            # Rooms whose writes were abandoned get no notice (the bytes may still land).
+            # Rooms whose writes were abandoned had their notice withheld as they were (the
+            # bytes may still land). What is left belongs to ends still in progress after the
+            # grace (a release stuck in NIXL): withheld too, the bytes are not known drained.
             self._counts["notices_withheld"] += len(self._pending_notices)
             self._pending_notices.clear()
         if self._notifier is not None:
@@ -1051,11 +1109,11 @@ class KVManager:
         for worker in self._workers:
             # At least a moment, even if abandoning used up timeout_s: a worker polling an
             # abandoned chunk sees it released and exits at once.
-            worker.join(max(0.5, deadline - time.monotonic()))
+            worker.join(bounded_wait(max(0.5, deadline - time.monotonic())))
         if self._notifier is not None:
             # Best effort: a notice to a partitioned peer may block inside NIXL; the
             # notifier is a daemon and is left behind rather than failing close().
-            self._notifier.join(max(0.0, deadline - time.monotonic()))
+            self._notifier.join(bounded_wait(deadline - time.monotonic()))
         alive = [w.name for w in self._workers if w.is_alive()]
         if alive:
             raise RuntimeError(f"transfer workers did not stop: {alive}")
@@ -1073,7 +1131,7 @@ class KVManager:
             try:
                 job = self._queue.get(timeout=_HUNG_SWEEP_S)
             except queue.Empty:
-                self._sweep_hung()
+                self._maybe_sweep()
                 continue
             if job is None:
                 return
@@ -1085,9 +1143,12 @@ class KVManager:
                     else itertools.repeat(self.poll_interval_s)
                 )
                 while inflight is not None and not self._check(inflight):
-                    pause_between_polls(next(pauses))
+                    self._maybe_sweep()
+                    pause = next(pauses)
+                    pause_between_polls(min(pause, _HUNG_SWEEP_S) if self._hung else pause)
             except BaseException as exc:  # a worker never dies: the room fails instead
                 self._on_internal_error(job, exc)
+            self._maybe_sweep()  # also under steady traffic, when the queue is never empty
 
     def _notifier_main(self) -> None:
         """Send queued room notices to each session of their room (best effort)."""
@@ -1109,9 +1170,25 @@ class KVManager:
                 else:
                     self._count("notices_sent")
 
+    def _maybe_sweep(self) -> None:
+        """Sweep hung chunks if any and a sweep is due (every :data:`_HUNG_SWEEP_S`), unless
+        another thread is sweeping. Called wherever the manager runs -- every worker loop
+        iteration (busy or idle), between the polls of a worker's own chunk, while a worker
+        waits for a staging slot, in ``progress()`` and ``wait_drained()`` -- so a hung chunk
+        whose write has settled ends within about one sweep period of its settling, busy or
+        idle, and returns its slot. Never raises; never blocks."""
+        if not self._hung or time.monotonic() < self._sweep_due:
+            return
+        if not self._sweep_claim.acquire(False):
+            return
+        try:
+            self._sweep_due = time.monotonic() + _HUNG_SWEEP_S
+            self._sweep_hung()
+        finally:
+            self._sweep_claim.release()
+
     def _sweep_hung(self) -> None:
-        """Re-check chunks that timed out while still in progress (idle worker). Never
-        raises."""
+        """Re-check chunks that timed out while still in progress. Never raises."""
         try:
             with self._room_lock.read():
                 hung = list(self._hung.values())
@@ -1175,7 +1252,10 @@ class KVManager:
                 self._count("chunks_skipped")
                 return None
             try:
-                inflight.slot = self.staging_pool.acquire(handle, self.slot_timeout_s)
+                # Sweep while waiting: the slots waited for may be held by hung chunks.
+                inflight.slot = self.staging_pool.acquire(
+                    handle, self.slot_timeout_s, on_wake=self._maybe_sweep, wake_s=_HUNG_SWEEP_S
+                )
             except (PoolExhaustedError, PoolClosedError) as exc:
                 with self._room_lock.write():
                     if self._fail_unlocked(handle, exc, f"no staging slot: {exc}"):

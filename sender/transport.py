@@ -77,7 +77,7 @@ from sender.errors import (
     status_name,
 )
 from sender.pages import CheckedPages, as_pages, scan_pages
-from staging.validate import check_seconds
+from staging.validate import bounded_wait, check_seconds
 
 if TYPE_CHECKING:  # torch is imported lazily: a CPU-only peer process need not pay ~2 s for it
     import torch
@@ -1011,12 +1011,16 @@ class NixlTransport:
             raise TransportClosedError(f"transport {self._name!r} is closed")
         local = self._regions.get(src_region)
         peer = self._peers.get(session_id)
-        if local is None:
-            raise TransportParamError(f"no local region {src_region!r}")
-        if peer is None:
-            raise PeerNotFoundError(session_id)
-        remote = peer.regions.get(dst_region)
-        if remote is None:
+        remote = None if peer is None else peer.regions.get(dst_region)
+        if local is None or peer is None or remote is None:
+            # close() sets _closed before it empties the tables: a look-up that failed
+            # because of a concurrent close() is reported as the close.
+            if self._closed:
+                raise TransportClosedError(f"transport {self._name!r} is closed")
+            if local is None:
+                raise TransportParamError(f"no local region {src_region!r}")
+            if peer is None:
+                raise PeerNotFoundError(session_id)
             raise TransportParamError(f"session {session_id!r} has no region {dst_region!r}")
         li = local.info
         if li.page_bytes != remote.page_bytes:
@@ -1372,7 +1376,7 @@ def pause_between_polls(pause_s: float) -> None:
     """Sleep ``pause_s``; for ``0`` only yield the CPU and the GIL (``os.sched_yield``):
     ``time.sleep(0)`` costs 30-90 us on these VMs, longer than a 1 MiB write."""
     if pause_s > 0:
-        time.sleep(pause_s)
+        time.sleep(bounded_wait(pause_s))
     else:
         os.sched_yield()
 

@@ -15,9 +15,10 @@ whose slot was since re-leased to someone else, does nothing.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ except ModuleNotFoundError as _exc:  # the core install has neither: name the ex
 
 from staging.errors import StagingError
 from staging.locks import LockLevel, make_lock
-from staging.validate import check_index
+from staging.validate import bounded_wait, check_index
 
 
 class PoolExhaustedError(StagingError):
@@ -179,31 +180,46 @@ class StagingBufferPool:
             self._acquired += 1
             return slot
 
-    def acquire(self, owner: Hashable, timeout: float | None = 1.0) -> StagingSlot:
+    def acquire(
+        self,
+        owner: Hashable,
+        timeout: float | None = 1.0,
+        *,
+        on_wake: Callable[[], None] | None = None,
+        wake_s: float = 0.05,
+    ) -> StagingSlot:
         """Lease a slot to ``owner``, waiting up to ``timeout`` s for one to be freed.
 
-        ``timeout=None`` waits until a slot is freed or the pool closes. Thread-safe; the
-        wait holds no lock of the model.
+        ``timeout=None`` (or ``inf``) waits until a slot is freed or the pool closes. Every
+        wait is bounded by ``threading.TIMEOUT_MAX``. With ``on_wake``, the wait is cut into
+        pieces of at most ``wake_s`` and ``on_wake()`` is called between them, holding no
+        lock (the sender sweeps its hung chunks there: they may hold the slots it waits
+        for); what it raises propagates. Thread-safe; the wait holds no lock of the model.
 
         Raises:
             PoolExhaustedError: no slot was freed in time.
             PoolClosedError: the pool is (or becomes) closed.
-            ValueError: negative ``timeout``.
+            ValueError: negative or NaN ``timeout``, ``wake_s`` not > 0.
         """
-        if timeout is not None and timeout < 0:
+        if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if not wake_s > 0:
+            raise ValueError(f"wake_s must be > 0, got {wake_s}")
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:
                 slot = self.try_acquire(owner)
                 if slot is not None:
                     return slot
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     with self._lock.write():
                         self._exhausted += 1
                     raise PoolExhaustedError(self._num_slots, timeout)
-                self._cond.wait(remaining)
+                piece = remaining if on_wake is None else min(remaining, wake_s)
+                self._cond.wait(bounded_wait(piece))
+            if on_wake is not None:
+                on_wake()
 
     def release(self, slot: StagingSlot) -> bool:
         """Return a lease. ``True`` if it was live; a stale or repeated release does nothing.

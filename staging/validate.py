@@ -8,6 +8,7 @@ for a value out of range. ``bool`` is refused where an ``int`` is expected (``Tr
 from __future__ import annotations
 
 import math
+import threading
 
 
 def check_index(value: object, what: str) -> int:
@@ -77,3 +78,13 @@ def check_session_id(session_id: object) -> str:
     if not session_id:
         raise ValueError("session_id must be a non-empty str")
     return str.__str__(session_id)
+
+
+def bounded_wait(seconds: float) -> float:
+    """``seconds`` as a wait every blocking call accepts: clamped to
+    ``0 <= s <= threading.TIMEOUT_MAX`` (``Condition.wait``, ``Thread.join``,
+    ``Lock.acquire`` and ``time.sleep`` raise ``OverflowError`` beyond it; a wait that long is
+    no different from "as long as it takes"). NaN becomes 0. Raises: nothing."""
+    if seconds > threading.TIMEOUT_MAX:
+        return threading.TIMEOUT_MAX
+    return seconds if seconds > 0 else 0.0

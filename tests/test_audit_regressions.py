@@ -144,10 +144,10 @@ class SignallingPool(StagingBufferPool):
         super().__init__(*args, **kw)
         self.waiting = threading.Event()
 
-    def acquire(self, owner: Any, timeout: float | None = 1.0) -> StagingSlot:
+    def acquire(self, owner: Any, timeout: float | None = 1.0, **kw: Any) -> StagingSlot:
         if self.stats().free == 0:
             self.waiting.set()
-        return super().acquire(owner, timeout)
+        return super().acquire(owner, timeout, **kw)
 
 
 @dataclass
