@@ -16,12 +16,15 @@ message is just the status name, e.g. ``"NIXL_ERR_REMOTE_DISCONNECT"``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sender import _nixl
 
 __all__ = [
     "KVTransferError",
     "PARAM_ERRORS",
     "PeerNotFoundError",
+    "RoomNotFailedError",
     "TRANSPORT_ERRORS",
     "TransferFailedError",
     "TransferReleasedError",
@@ -123,16 +126,75 @@ class KVTransferError(RuntimeError):
         reason: Human-readable cause.
         is_from_another_rank: True when the failure was reported by another rank of the same
             request rather than observed locally.
+        generation: The opening (``RoomHandle.generation``), when known.
+        session_id: The decode session the failure concerns, when one does.
+        chunk_idx: The chunk the failure concerns, when one does.
+
+    The message names all of them that are known: ``KV transfer failed for room 7
+    (generation 12, session 'decode-0', chunk 3): <reason>``.
     """
 
-    def __init__(self, room: int, reason: str, is_from_another_rank: bool = False) -> None:
-        super().__init__(f"KV transfer failed for room {room}: {reason}")
+    def __init__(
+        self,
+        room: int,
+        reason: str,
+        is_from_another_rank: bool = False,
+        *,
+        generation: int | None = None,
+        session_id: str | None = None,
+        chunk_idx: int | None = None,
+    ) -> None:
+        where = [
+            text
+            for text in (
+                None if generation is None else f"generation {generation}",
+                None if session_id is None else f"session {session_id!r}",
+                None if chunk_idx is None else f"chunk {chunk_idx}",
+            )
+            if text is not None
+        ]
+        context = f" ({', '.join(where)})" if where else ""
+        super().__init__(f"{self._headline} for room {room}{context}: {reason}")
         self.room = room
         self.reason = reason
         self.is_from_another_rank = is_from_another_rank
+        self.generation = generation
+        self.session_id = session_id
+        self.chunk_idx = chunk_idx
 
-    def __reduce__(self) -> tuple[type[KVTransferError], tuple[int, str, bool]]:
-        return (type(self), (self.room, self.reason, self.is_from_another_rank))
+    _headline = "KV transfer failed"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_kv_error,
+            (
+                type(self), self.room, self.reason, self.is_from_another_rank,
+                self.generation, self.session_id, self.chunk_idx,
+            ),
+        )
+
+
+class RoomNotFailedError(KVTransferError):
+    """``failure_exception()`` was called on a room that did not fail (it succeeded, or was
+    cleared before a failure was recorded). A :class:`KVTransferError`, so that callers that
+    catch one still catch it, but its message does not say the transfer failed."""
+
+    _headline = "no KV transfer failure to report"
+
+
+def _rebuild_kv_error(
+    cls: type[KVTransferError],
+    room: int,
+    reason: str,
+    is_from_another_rank: bool,
+    generation: int | None,
+    session_id: str | None,
+    chunk_idx: int | None,
+) -> KVTransferError:
+    return cls(
+        room, reason, is_from_another_rank, generation=generation, session_id=session_id,
+        chunk_idx=chunk_idx,
+    )
 
 
 def _nixl_classes(*names: str) -> tuple[type[BaseException], ...]:

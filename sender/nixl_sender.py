@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from sender.errors import KVTransferError
+from sender.errors import KVTransferError, RoomNotFailedError
 from sender.manager import KVManager, PageArray, TransferInfo
 from sender.poll import KVPoll, is_concluded
 from staging.context import RoomHandle
@@ -180,8 +180,9 @@ class NixlKVSender:
         that purge's result, which holds this opening's and nothing else (never another
         opening's of the same id), marks the sender ``Failed``, then raises (first that
         applies): ``_send_error`` (the same object); the stored exception (the same object);
-        ``KVTransferError(room, reason)``; a ``KVTransferError`` saying the room had
-        succeeded (failure_exception() was called on a Success room) or was already cleared;
+        ``KVTransferError(room, reason)``; a :class:`~sender.errors.RoomNotFailedError` (a
+        ``KVTransferError`` whose message says there is no failure to report) when the room
+        had succeeded or was cleared before any failure was recorded;
         ``KVTransferError(room, ..., is_from_another_rank=True)``. A second call raises a
         ``KVTransferError`` saying the failure was already reported, and changes nothing.
         Scheduler thread.
@@ -201,18 +202,24 @@ class NixlKVSender:
             raise self._send_error
         if purge.exception is not None:
             raise purge.exception
+        gen = self._handle.generation
         if purge.failure_record is not None:
-            raise KVTransferError(room, purge.failure_record)
+            raise KVTransferError(room, purge.failure_record, generation=gen)
         if purge.was_open and purge.status is KVPoll.Success:
-            raise KVTransferError(
-                room, "failure_exception() called on a room that succeeded (it is now cleared)"
+            raise RoomNotFailedError(
+                room,
+                "it succeeded; failure_exception() was called on a Success room (now cleared)",
+                generation=gen,
             )
         if not purge.was_open:
-            raise KVTransferError(
-                room, "the room was cleared before its failure was reported (no error kept)"
+            raise RoomNotFailedError(
+                room,
+                "it was cleared before a failure was recorded (no error kept)",
+                generation=gen,
             )
         raise KVTransferError(
-            room, "failed on another rank (no local error recorded)", is_from_another_rank=True
+            room, "failed on another rank (no local error recorded)", is_from_another_rank=True,
+            generation=gen,
         )
 
     def clear(self) -> None:

@@ -296,6 +296,10 @@ class _Peer:
     prepped: dict[str, Any] = field(default_factory=dict)
     # Their binding handles (what ``makeXferReq`` takes), by region name; set once.
     prepped_ids: dict[str, int] = field(default_factory=dict)
+    # Set (never cleared) once NIXL reported this peer's agent disconnected; a peer added
+    # again (remove_peer + add_peer, e.g. a restarted process) is a new entry. A bool write
+    # is atomic: written and read without _lock.
+    disconnected: bool = False
 
     def __post_init__(self) -> None:
         self.prepped_ids = {k: int(h._handle) for k, h in self.prepped.items() if h is not None}
@@ -574,6 +578,8 @@ class Transfer:
     def _fail_locked(self, exc: BaseException, *, timed_out: bool) -> BaseException:
         param = as_param_error(exc, f"NIXL rejected transfer {self!r}")
         failure = param if param is not None else exc
+        if _is_disconnect(exc):
+            self._peer.disconnected = True
         self._failure = failure
         self._transport._on_failed(timed_out=timed_out)
         return failure
@@ -907,6 +913,17 @@ class NixlTransport:
                 raise PeerNotFoundError(session_id)
             return dict(peer.regions)
 
+    def peer_disconnected(self, session_id: str) -> bool:
+        """``True`` once NIXL reported the peer of ``session_id`` disconnected (a transfer to
+        it, or a notification, raised ``nixlRemoteDisconnectError``) since it was added;
+        ``False`` for an unknown session. Its writes and notifications would fail the same
+        way (each with an error line in NIXL's log): the manager skips notices to it.
+
+        Thread-safety: safe from any thread; takes no lock (one dict read, one bool read).
+        """
+        peer = self._peers.get(session_id)
+        return peer is not None and peer.disconnected
+
     def peer_agent_name(self, session_id: str) -> str:
         """The NIXL agent name of a peer (the key of its messages in :meth:`get_notifs`).
 
@@ -1127,6 +1144,8 @@ class NixlTransport:
         xfer._handle = xfer._ops = None
         xfer._released = True
         xfer._failure = exc
+        if _is_disconnect(exc):
+            xfer._peer.disconnected = True
         if handle is not None:
             try:
                 ops.releaseXferReq(handle)
@@ -1156,7 +1175,12 @@ class NixlTransport:
             agent = self._agent
         if peer is None:
             raise PeerNotFoundError(session_id)
-        agent.send_notif(peer.agent_name, message)
+        try:
+            agent.send_notif(peer.agent_name, message)
+        except Exception as exc:
+            if _is_disconnect(exc):
+                peer.disconnected = True
+            raise
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """New notifications since the last call: remote agent name -> messages, in order.
@@ -1475,6 +1499,14 @@ def _check_pages(
         _check_bounds(lo, hi, num_pages, what, region)
     if repeats:
         raise TransportParamError(f"{what} contains duplicates")
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    """``exc`` is NIXL's "remote agent disconnected" error."""
+    cls = None if _nixl.bindings is None else getattr(
+        _nixl.bindings, "nixlRemoteDisconnectError", None
+    )
+    return cls is not None and isinstance(exc, cls)
 
 
 def _mem_seg(bindings: Any, mem_type: str) -> Any:

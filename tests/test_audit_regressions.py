@@ -573,7 +573,7 @@ def test_d6_failure_exception_never_raises_another_openings_exception(rig: Rig) 
             a.failure_exception()
         got = info.value
         assert got is not exc_b, "A raised the exception of the room's next opening (B)"
-        assert got is exc_a or (type(got) is KVTransferError and got.room == 6), repr(got)
+        assert got is exc_a or (isinstance(got, KVTransferError) and got.room == 6), repr(got)
         b = mgr.intruder
         assert b is not None, "the interference never ran"
         assert b.poll() is KVPoll.Failed
@@ -590,10 +590,11 @@ def test_d6_failure_exception_never_raises_another_openings_exception(rig: Rig) 
 def _pause_open_room_at_room_lock(
     paused: threading.Event, resume: threading.Event
 ) -> Callable[[FrameType, str, Any], None]:
-    """A profile hook: when ``KVManager.open_room`` calls a lock's ``write()`` (the room
-    lock, after the closed check at 8343a9b), pause that thread until ``resume`` (<= 3 s)."""
+    """A profile hook: when the room table's ``open`` (``KVManager.open_room`` itself at
+    8343a9b) calls a lock's ``write()`` (the room lock, after the closed check at 8343a9b),
+    pause that thread until ``resume`` (<= 3 s)."""
     locks_py = os.path.join("staging", "locks.py")
-    manager_py = os.path.join("sender", "manager.py")
+    opener_files = (os.path.join("sender", "manager.py"), os.path.join("sender", "rooms.py"))
 
     def hook(frame: FrameType, event: str, arg: Any) -> None:
         if event != "call" or paused.is_set() or frame.f_code.co_name != "write":
@@ -602,8 +603,8 @@ def _pause_open_room_at_room_lock(
         if (
             frame.f_code.co_filename.endswith(locks_py)
             and caller is not None
-            and caller.f_code.co_name == "open_room"
-            and caller.f_code.co_filename.endswith(manager_py)
+            and caller.f_code.co_name in ("open_room", "open")
+            and caller.f_code.co_filename.endswith(opener_files)
         ):
             paused.set()
             resume.wait(3.0)

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from sender.errors import TransferReleasedError
-from sender.manager import KVManager, _Inflight, make_transfer_info
+from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from staging import StagingContext
@@ -105,10 +105,18 @@ class LateWritingManager(KVManager):
     """PLANTED BUG: the conclude path writes status for the bare room id, never checking
     that the room is still the same open room (what unlocked upstream workers do)."""
 
-    def _account_end(self, inflight: _Inflight, exc: BaseException | None, **kw: Any) -> bool:
-        fatal = super()._account_end(inflight, exc, **kw)
-        self._request_status[inflight.job.handle.room] = KVPoll.Success
-        return fatal
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        rooms = self.rooms
+        account = rooms.account_ends
+
+        def late_write(ends: Any, *a: Any) -> Any:
+            after = account(ends, *a)
+            for chunk, *_ in ends:
+                rooms.request_status[chunk.handle.room] = KVPoll.Success
+            return after
+
+        rooms.account_ends = late_write  # type: ignore[method-assign]
 
 
 class Rig:

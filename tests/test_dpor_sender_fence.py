@@ -8,10 +8,11 @@ posted. A worker checks "open and not Failed" and posts under the room's post ga
 purge takes too, so whatever the worker waited on before (prefetch record, staging slot,
 gather), the check it posts on is still true when ``write_pages`` is called.
 
-The manager runs inline (``num_workers=0``) and its ``submit_chunk`` *parks* the chunk
-instead of starting it, so that thread W of the exploration starts it exactly as a transfer
-worker does (``_launch``: check, gate, re-check and register, post; then one poll, which
-ends it: the stand-in transfer is DONE at once). Thread S is the scheduler: ``clear()`` --
+The manager runs inline (``num_workers=0``) and the chunk is *parked* (made by the room
+table as a worker-mode send makes it, but not queued), so that thread W of the exploration
+starts it exactly as a transfer worker does (``ChunkPipeline._run_unit``: check, gate,
+re-check and register, post; then one poll, which ends it: the stand-in transfer is DONE at
+once). Thread S is the scheduler: ``clear()`` --
 or ``abort()`` then ``failure_exception()`` -- and right after that returns, on the same
 thread, it sets the transport's ``cleared`` flag. The stand-in transport counts every
 ``write_pages`` made after the flag was set: a late post. (Setting the flag after the return
@@ -26,7 +27,7 @@ than the ``KVTransferError`` that ``failure_exception()`` must raise); the room 
 table, the staging context or the draining set; every posted transfer was released exactly
 once; the chunk ended exactly once (done, skipped, failed or drained).
 
-Planted bug: a manager whose ``_start_job`` has the shape of the audited code: it checks
+Planted bug: a pipeline whose ``_start`` has the shape of the audited code: it checks
 liveness once, then posts without the gate and without checking again (registering only
 after the post). The explorer must find the interleaving in which the clear returns inside
 that window and the post lands after it.
@@ -38,7 +39,7 @@ the stress suite.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import frontrun
@@ -46,8 +47,9 @@ import numpy as np
 import pytest
 import torch
 
+from sender.chunks import Chunk
 from sender.errors import KVTransferError
-from sender.manager import ChunkJob, KVManager, _Inflight, make_transfer_info
+from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from staging import StagingContext
@@ -80,79 +82,68 @@ class FencedTransport(InstantTransport):
         return super().write_pages(session_id, src_pages, dst_pages, notif, **kwargs)
 
 
-class ParkingManager(KVManager):
-    """Inline manager whose ``submit_chunk`` parks each chunk (while ``parking`` is a list)
-    instead of starting it, so that a thread of the exploration starts it."""
-
-    parking: list[ChunkJob] | None = None
-
-    def _launch(self, job: ChunkJob) -> _Inflight | None:
-        if self.parking is not None:
-            self.parking.append(job)
-            return None
-        return super()._launch(job)
+def _park(mgr: KVManager, handle: Any, pages: Any) -> list[Chunk]:
+    """Make the chunk of a one-chunk send as ``submit_chunk`` does in worker mode (checked and
+    counted by the room table) but hand it to us instead of a worker queue, so that a thread
+    of the exploration starts it exactly as a transfer worker does."""
+    units: list[list[Chunk]] = []
+    chunks = mgr.rooms.begin_chunk(handle, 0, 0, pages, None, True, enqueue=units.append)
+    assert chunks is not None and units == [chunks]
+    return chunks
 
 
-class UnfencedManager(ParkingManager):
+def _unfenced_start(mgr: KVManager) -> Callable[[list[Chunk]], list[Chunk]]:
     """PLANTED BUG (the audited shape, defect 1): liveness checked once, before whatever the
     worker waits on (here nothing: the window is the check itself); then the post, with no
     gate and no re-check; the chunk is registered only after the post (and dropped if the
     room is gone by then)."""
+    rooms, pipeline = mgr.rooms, mgr.pipeline
 
-    def _start_job(self, job: ChunkJob) -> _Inflight | None:
-        handle = job.handle
-        with self._room_lock.read():
-            alive = (
-                self._live(handle) is not None
-                and self._request_status.get(handle.room) is not KVPoll.Failed
-            )
-        if not alive:
-            self._count("chunks_skipped")
-            return None
-        inflight = _Inflight(job)
-        inflight.transfer = self.transport.write_pages(
-            job.session_id,
-            job.src_pages,
-            job.dst_pages,
-            b"",
-            src_region=self.kv_region,
-            dst_region=job.dst_region,
-            timeout_s=self.transfer_timeout_s,
-        )
-        with self._room_lock.write():
-            entry = self._live(handle, count=True)
-            if entry is not None:
-                entry.inflight[job.job_id] = inflight
+    def start(unit: list[Chunk]) -> list[Chunk]:
+        handle = unit[0].handle
+        with rooms.lock.read():
+            entry = rooms.live_locked(handle)
+            alive = entry is not None and rooms.postable_locked(handle, entry)
+        if not alive or entry is None:
+            rooms.count("chunks_skipped", len(unit))
+            return []
+        for chunk in unit:
+            chunk.transfer = pipeline._write(chunk)
+        with rooms.lock.write():
+            live = rooms.live_locked(handle, count=True)
+            if live is not None:
+                for chunk in unit:
+                    live.inflight[chunk.chunk_id] = chunk
             else:
-                self._counts["chunks_skipped"] += 1
-        if entry is None:
-            inflight.transfer.release()
-            return None
-        return inflight
+                rooms.counts["chunks_skipped"] += len(unit)
+        if live is None:
+            for chunk in unit:
+                chunk.transfer.release()
+            return []
+        return list(unit)
+
+    return start
 
 
 class FenceRig:
     """One room, one chunk parked for thread W; thread S clears or fails-and-reports."""
 
-    manager_cls: type[ParkingManager] = ParkingManager
+    planted = False
 
     def __init__(self) -> None:
         self.transport = FencedTransport()
         self.kv = torch.zeros((8, PAGE_BYTES), dtype=torch.uint8)
-        self.mgr = self.manager_cls(
+        self.mgr = KVManager(
             self.transport,
             self.kv,
             num_workers=0,
             staging=StagingContext(lock="mutex"),
         )
+        if self.planted:
+            self.mgr.pipeline._start = _unfenced_start(self.mgr)  # type: ignore[method-assign]
         self.sender = NixlKVSender(self.mgr, ROOM, ["d0"], [make_transfer_info("d0", range(4))])
         self.sender.init(4)
-        parked: list[ChunkJob] = []
-        self.mgr.parking = parked
-        self.sender.send(np.array([0, 1, 2, 3]))
-        self.mgr.parking = None
-        assert len(parked) == 1
-        self.job = parked[0]
+        self.unit = _park(self.mgr, self.sender.handle, np.array([0, 1, 2, 3]))
         self.errors: list[BaseException] = []
         self.reported: BaseException | None = None
 
@@ -162,8 +153,8 @@ class FenceRig:
         """What a transfer worker does with one dequeued chunk (its transfer is DONE at once,
         so one poll ends it)."""
         try:
-            inflight = self.mgr._launch(self.job)
-            if inflight is not None and not self.mgr._check(inflight):
+            pending = self.mgr.pipeline._run_unit(self.unit)
+            if pending and self.mgr.pipeline.poll_all(pending):
                 self.errors.append(AssertionError("a DONE chunk did not end at its first poll"))
         except BaseException as exc:
             self.errors.append(exc)
@@ -213,7 +204,7 @@ class FenceRig:
 
 
 class UnfencedRig(FenceRig):
-    manager_cls = UnfencedManager
+    planted = True
 
 
 # Exhaustive is out of reach (post vs clear: >1,900 runs not finished in 150 s): every

@@ -3,7 +3,7 @@
 
 The guarantee (``docs/THREADING.md``, issue 9 defect 2): every chunk ends exactly once --
 done, failed or drained, counted once whichever thread sees it -- so a room is ``Success``
-only when every one of its chunks was DONE. A chunk's end is claimed (``_Inflight.claim``, a
+only when every one of its chunks was DONE. A chunk's end is claimed (``Chunk.claim``, a
 test-and-set) before its transfer and slot are released and it is counted.
 
 The room has two chunks: the first chunk's transfer is DONE, the second's is still in
@@ -16,11 +16,11 @@ slot), its transfer completes, ``wait_drained`` ends it: both transfers released
 once, nothing of the room anywhere, every chunk ended exactly once.
 
 Planted bug: a manager whose chunks' end is never exclusive (the claim is taken but its
-answer ignored, i.e. ``_end`` without ``if not inflight.claim(): return False``): both
+answer ignored, i.e. the end without ``if not chunk.claim(): continue``): both
 threads see the DONE chunk, both end it -- the chunk is counted twice and the room reports
 ``Success`` though its second chunk never completed (or the second thread polls the released
 transfer and fails the room). Planted so that the claim lock is still taken, as in the
-real ``_end``: with a ``claim`` that returned ``True`` without touching the lock, the
+real end: with a ``claim`` that returned ``True`` without touching the lock, the
 explorer only ever found the second variant -- no false ``Success`` in 2,800 runs -- as
 frontrun 0.7 apparently reorders the two threads' polls only around the claim lock's events,
 not around the stand-in transfer's own lock.
@@ -39,7 +39,8 @@ import numpy as np
 import pytest
 import torch
 
-from sender.manager import ChunkJob, KVManager, _Inflight, make_transfer_info
+from sender.chunks import Chunk
+from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from staging import StagingContext
@@ -52,9 +53,9 @@ ROOM = 5
 
 
 
-class _UnclaimedInflight(_Inflight):
+class _UnclaimedChunk(Chunk):
     """PLANTED BUG: the claim is taken but its answer ignored -- every caller that sees the
-    chunk's end gets to end it (``_end`` without ``if not inflight.claim(): return False``)."""
+    chunk's end gets to end it (``_end_many`` without ``if not chunk.claim(): continue``)."""
 
     __slots__ = ()
 
@@ -64,13 +65,13 @@ class _UnclaimedInflight(_Inflight):
 
 
 class DoubleEndingManager(KVManager):
-    """PLANTED BUG: a started chunk's end is not claimed once (``_end`` without the claim)."""
+    """PLANTED BUG: a started chunk's end is not claimed once (the end without the claim)."""
 
-    def _start_job(self, job: ChunkJob) -> _Inflight | None:
-        inflight = super()._start_job(job)
-        if inflight is not None:
-            inflight.__class__ = _UnclaimedInflight
-        return inflight
+    def submit_chunk(self, handle: Any, *args: Any) -> int:
+        n = super().submit_chunk(handle, *args)
+        for chunk in self.rooms.rooms[handle.room].inflight.values():
+            chunk.__class__ = _UnclaimedChunk
+        return n
 
 
 class ProgressRig:

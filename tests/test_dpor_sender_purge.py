@@ -81,10 +81,10 @@ class ByRoomIdSender(NixlKVSender):
         reason: str | None = None
         if mgr.is_open(self.handle):
             with mgr._room_lock.write():
-                stored = mgr._exceptions.pop(room, None)
+                stored = mgr.rooms.exceptions.pop(room, None)
         if mgr.is_open(self.handle):
             with mgr.failure_lock.write():
-                reason = mgr._failure_records.pop(room, None)
+                reason = mgr.rooms.failure_records.pop(room, None)
         mgr.purge_room(self.handle)
         self.conclude_state = KVPoll.Failed
         self._send_failed = True
@@ -130,7 +130,7 @@ class ReportRig:
     def holds(self) -> bool:
         assert not self.errors, f"clear/reopen raised: {self.errors!r}"
         raised = self.raised
-        assert raised is self.stored_a or type(raised) is KVTransferError, (
+        assert raised is self.stored_a or isinstance(raised, KVTransferError), (
             f"A's failure_exception() raised {raised!r}: neither A's stored exception nor a "
             "KVTransferError"
         )
@@ -156,21 +156,22 @@ class SplitPurgeManager(KVManager):
 
     def purge_room(self, room: int | RoomHandle) -> ManagerPurge:
         assert isinstance(room, RoomHandle)
+        rooms = self.rooms
         with self._room_lock.write_untimed():
-            entry = self._live(room)
+            entry = rooms.live_locked(room)
             if entry is None:
                 return ManagerPurge(room.room, False, None, (), None, 0, 0)
-            del self._rooms[room.room]
+            del rooms.rooms[room.room]
         with entry.gate.write_untimed(), self._room_lock.write_untimed():
-            status = self._request_status.get(room.room)
+            status = rooms.request_status.get(room.room)
             tables: list[str] = []
-            for name, table in self._room_tables():
+            for name, table in rooms.tables_locked():
                 if table.pop(room.room, None) is not None:
                     tables.append(name)
             staged = self.staging.purge_room(entry.handle)
             with self.failure_lock.write():
-                record = self._failure_records.pop(room.room, None)
-            self._counts["purges"] += 1
+                record = rooms.failure_records.pop(room.room, None)
+            rooms.counts["purges"] += 1
         return ManagerPurge(room.room, True, status, tuple(tables), staged, 0, 0, None, record)
 
 

@@ -196,7 +196,7 @@ def test_d2_close_with_a_huge_timeout_closes(sender_pool: SenderPool, timeout_s:
     mgr.close(timeout_s)
     assert not mgr.is_open(handle)
     assert all(not w.is_alive() for w in mgr._workers)
-    assert mgr._notifier is None or not mgr._notifier.is_alive()
+    assert mgr.notifier.thread is None or not mgr.notifier.thread.is_alive()
 
 
 @pytest.mark.timeout(60)
@@ -454,5 +454,5 @@ def test_close_does_not_withhold_the_notice_of_a_chunk_ending_elsewhere(
     st = mgr.stats()
     assert st.transfers_abandoned == 0
     assert st.notices_withheld == 0, "a notice was withheld although nothing was abandoned"
-    assert st.notices_sent == 1
+    assert wait_until(lambda: mgr.stats().notices_sent == 1, 10)
     assert decode_peer.wait_room_failed(5, s.handle.generation, 10) is not None

@@ -456,9 +456,7 @@ def test_decode_told_check_catches_missing_wrong_and_unwanted_notices(
         s.tx.send_notif(s.session, _notice(room, gen[room], outcome, "aborted"))
     s.mgr.close()
     monitor = Monitor("t", [DECODE_TOLD], duration_s=1.0, watchdog_s=10.0)
-    t0 = time.monotonic()
-    counts = tracker.check(monitor, {s.session: peer}, s.mgr, wait_s=1.0)
-    assert time.monotonic() - t0 < 5.0
+    counts = tracker.check(monitor, {s.session: peer}, s.mgr)
     report = {r.name: r for r in monitor.reports()}[DECODE_TOLD]
     assert report.violations == 3, report.examples
     assert (counts["judged"], counts["learnt"], counts["missing"]) == (4, 3, 1), counts
@@ -557,3 +555,70 @@ def test_close_withholds_the_notice_of_a_room_whose_writes_it_abandoned() -> Non
         inj.close()
         sp.transport.close()
         peer.close()
+
+
+class _SlowNotices:
+    """A real transport whose ``send_notif`` takes ``delay_s`` (a notifier on a loaded
+    machine) and silently drops the notices of the rooms in ``drop`` (a lost notice: the
+    call returns as if sent). Everything else is the real transport's."""
+
+    def __init__(self, inner: Any, delay_s: float, drop: set[int]) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.drop = drop
+
+    def send_notif(self, session_id: str, message: bytes) -> None:
+        from sender.notices import decode_notice
+
+        time.sleep(self.delay_s)
+        if decode_notice(message).room in self.drop:
+            return
+        self.inner.send_notif(session_id, message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@requires_nixl
+@pytest.mark.nixl
+@pytest.mark.timeout(120)
+def test_decode_told_waits_for_the_notifier_backlog_and_still_finds_a_lost_notice(
+    shared_peer: Any, make_sender: Callable[..., _Sender]
+) -> None:
+    """Issue 16's question, as a deterministic experiment: 30 rooms cleared, each notice
+    taking 0.15 s to send, so the notifier's backlog outlasts ``close()`` and the old fixed
+    2 s wait -- those notices are *late*, not lost, and the check must wait for them (it
+    follows the backlog, ``stats().notices_pending``). One notice is really lost (dropped by
+    the transport while the send returned): the check must still report it, as missing after
+    it was sent."""
+    from stress.framework import Monitor
+    from stress.invariants import DECODE_TOLD
+    from stress.scenarios._sender_rig import (
+        TOLD_WAIT_S,
+        NoticeTracker,
+        TrackedManager,
+        _NoticeClock,
+    )
+
+    peer = shared_peer
+    s = make_sender(peer)
+    s.mgr.close()
+    tracker = NoticeTracker()
+    lost_room = 604
+    slow = _SlowNotices(s.injector, 0.15, {lost_room})
+    s.mgr = TrackedManager(
+        _NoticeClock(slow, tracker), s.sp.pool, num_workers=1, tracker=tracker  # type: ignore[arg-type]
+    )
+    senders = [s.sender(room, [room - 600]) for room in range(600, 630)]
+    for snd in senders:
+        snd.clear()  # cleared before Success: each is told "cleared"
+    s.mgr.close(timeout_s=0.1)
+    assert s.mgr.stats().notices_pending > 20, "the backlog did not outlast close()"
+    monitor = Monitor("t", [DECODE_TOLD], duration_s=1.0, watchdog_s=10.0)
+    counts = tracker.check(monitor, {s.session: peer}, s.mgr)
+    report = {r.name: r for r in monitor.reports()}[DECODE_TOLD]
+    assert (counts["judged"], counts["learnt"], counts["missing"]) == (30, 29, 1), counts
+    assert report.violations == 1, report.examples
+    assert str(lost_room) in report.examples[0] and "sent " in report.examples[0]
+    assert counts["late"] > 0, f"no notice came later than {TOLD_WAIT_S} s: not a backlog"
+    assert counts["notifier_stuck"] == 0

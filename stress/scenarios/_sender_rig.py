@@ -93,8 +93,20 @@ still land for a while: wait this long before reading pages for the audit."""
 PLANT_NO_NOTICES = "no-notices"
 """Test-only planted bug: managers made with ``notify_decode=False`` (``decode-told`` fires)."""
 TOLD_WAIT_S = 2.0
-"""``decode-told``: after the manager closed and drained, how long the decode peers may take
-to show every notice (the goal is 100 ms; the rest is margin for a loaded machine)."""
+"""``decode-told``: the fixed wait this check used before its bounds were derived (2 s after
+the manager closed and drained). Kept as the yardstick of ``late``: a notice learnt later
+than this after the check began would have been reported missing by the old check."""
+TOLD_STALL_S = 5.0
+"""``decode-told``: while the manager's notifier still has notices to send
+(``stats().notices_pending``), the judged notices are late, not lost, as long as that backlog
+shrinks; if it does not shrink for this long the notifier is stuck (the rooms still missing
+then are violations). On a loaded machine one ``send_notif`` takes milliseconds; 5 s without
+a single send is a stall, not load."""
+TOLD_QUIET_S = 2.0
+"""``decode-told``: once the notifier's backlog is empty (every notice sent or failed), a
+judged notice the peer has not learnt is waited for as long as the peers keep learning
+notices; it is *lost* once no judged peer learnt a new one for this long (a delivery takes
+about a millisecond, ``delivery_ms``; 2 s of silence after the last send is not delivery)."""
 TOLD_GRACE_S = 1.5
 """``decode-told``: a room is not judged at a decode peer that had a fault between the room's
 opening and this long after its purge (the notice waits for the room's posted chunks to
@@ -154,8 +166,12 @@ class NoticeTracker:
 
     :meth:`check` (at the end of a manager's life, after it closed and drained) judges every
     room failed or cleared before ``Success`` at each of its sessions that had no fault in
-    ``[opening, purge + TOLD_GRACE_S]``: the peer must know it (same outcome) within
-    :data:`TOLD_WAIT_S`; and no opening purged at ``Success`` may be known as failed.
+    ``[opening, purge + TOLD_GRACE_S]``: the peer must know it (same outcome) once the
+    notifier's backlog has been sent (waited for while it shrinks, :data:`TOLD_STALL_S`) and
+    the peers went quiet (:data:`TOLD_QUIET_S`); and no opening purged at ``Success`` may be
+    known as failed. A notice learnt later than :data:`TOLD_WAIT_S` after the check began is
+    counted ``late``; one never learnt is ``missing`` (a violation, with its purge, send and
+    error times in the example).
 
     Thread-safe: ``opened``/``purged``/``sent`` come from the manager's callers and threads,
     ``fault``/``harvest`` from scenario threads; everything is guarded by one lock (held only
@@ -168,6 +184,7 @@ class NoticeTracker:
         self._opened: dict[tuple[int, int], tuple[tuple[str, ...], float]] = {}
         self._purged: list[_Purged] = []
         self._sent: dict[tuple[int, int, str], float] = {}
+        self._send_errors: dict[tuple[int, int, str], tuple[float, str]] = {}
         self._faults: dict[str, list[list[float]]] = {}
         self._learnt: dict[str, dict[tuple[int, int], LearntRoom]] = {}
         self._cursor: dict[str, tuple[int, int]] = {}  # session -> (peer pid, since)
@@ -178,7 +195,9 @@ class NoticeTracker:
             (
                 "judged",
                 "learnt",
+                "late",
                 "missing",
+                "notifier_stuck",
                 "excluded_fault",
                 "unreachable",
                 "outcome_mismatch",
@@ -213,6 +232,16 @@ class NoticeTracker:
             return
         with self._lock:
             self._sent[(notice.room, notice.gen, session_id)] = at
+
+    def send_failed(self, session_id: str, message: bytes, at: float, exc: BaseException) -> None:
+        """The notifier's ``send_notif`` call at ``at`` raised ``exc`` (notifier thread).
+        Raises: nothing."""
+        try:
+            notice = decode_notice(message)
+        except NoticeError:
+            return
+        with self._lock:
+            self._send_errors[(notice.room, notice.gen, session_id)] = (at, repr(exc))
 
     def fault(self, session_id: str, start: float, end: float | None = None) -> list[float]:
         """A fault of ``session_id`` from ``start`` to ``end`` (``None``: still on; set
@@ -269,10 +298,11 @@ class NoticeTracker:
         monitor: Monitor,
         peers: Mapping[str, PeerProcess],
         mgr: KVManager,
-        wait_s: float = TOLD_WAIT_S,
     ) -> dict[str, int]:
         """Judge the rooms purged since the last check (call after ``mgr`` closed and
-        drained); returns this check's counts. Never raises."""
+        drained); returns this check's counts. How long it waits is derived from the
+        notifier's backlog and the peers' progress (:data:`TOLD_STALL_S`,
+        :data:`TOLD_QUIET_S`), not fixed. Never raises."""
         st = mgr.stats()
         with self._lock:
             purged, self._purged = self._purged, []
@@ -299,10 +329,13 @@ class NoticeTracker:
                     else:
                         pending[(p.room, gen, sid)] = p
         counts["judged"] = len(pending)
-        deadline = time.monotonic() + wait_s
-        sessions_left = {sid for _, _, sid in pending}
+        began = time.monotonic()
         reached: set[str] = set()
-        while True:
+        sessions_left = {sid for _, _, sid in pending}
+
+        def harvest_left() -> int:
+            """Harvest the sessions still owed a notice; how many judged notices are left."""
+            nonlocal sessions_left
             for sid in sorted(sessions_left):
                 peer = peers.get(sid)
                 if peer is not None and self.harvest(sid, peer):
@@ -310,9 +343,32 @@ class NoticeTracker:
             with self._lock:
                 left = [k for k in pending if (k[0], k[1]) not in self._learnt.get(k[2], {})]
             sessions_left = {sid for _, _, sid in left}
-            if not left or time.monotonic() >= deadline:
-                break
+            return len(left)
+
+        # 1. The notifier's backlog: late, not lost, while it shrinks.
+        backlog = _pending_notices(mgr)
+        last_move = time.monotonic()
+        while backlog and pending and harvest_left():
             time.sleep(0.02)
+            now_backlog = _pending_notices(mgr)
+            if now_backlog < backlog:
+                last_move = time.monotonic()
+            backlog = now_backlog
+            if time.monotonic() - last_move >= TOLD_STALL_S:
+                counts["notifier_stuck"] += 1
+                break
+        # 2. Delivery: wait while the peers keep learning notices.
+        left = harvest_left() if pending else 0
+        last_new = time.monotonic()
+        while left:
+            time.sleep(0.02)
+            now_left = harvest_left()
+            if now_left < left:
+                last_new = time.monotonic()
+            left = now_left
+            if time.monotonic() - last_new >= TOLD_QUIET_S:
+                break
+        wait_s = time.monotonic() - began
         for sid in {sid for _, _, sid in success} - reached:  # judge these too
             peer = peers.get(sid)
             if peer is not None:
@@ -327,14 +383,24 @@ class NoticeTracker:
                         counts["unreachable"] += 1
                         continue
                     counts["missing"] += 1
+                    sent_at = self._sent.get(key)
+                    error = self._send_errors.get(key)
+                    sent = (
+                        f"sent {sent_at - began:+.3f} s" if sent_at is not None
+                        else f"send raised {error[1]} at {error[0] - began:+.3f} s"
+                        if error is not None else "never sent"
+                    )
                     monitor.violation(
                         DECODE_TOLD,
                         f"room {room} gen {gen} ({want} on the prefill side, {p.draining} chunks "
-                        f"draining at its purge) is not known as failed at {sid!r} {wait_s:g} s "
-                        "after the manager drained",
+                        f"draining at its purge) is not known as failed at {sid!r} after "
+                        f"{wait_s:.1f} s of waiting (purged {p.at - began:+.3f} s, {sent}, "
+                        f"times from the check's start; notifier backlog {backlog})",
                     )
                     continue
                 counts["learnt"] += 1
+                if learnt.learnt_at - began > TOLD_WAIT_S:
+                    counts["late"] += 1
                 if learnt.outcome != want:
                     counts["outcome_mismatch"] += 1
                     monitor.violation(
@@ -357,6 +423,7 @@ class NoticeTracker:
                         f"room {room} gen {gen} succeeded, yet {sid!r} was told it failed",
                     )
             self._sent.clear()
+            self._send_errors.clear()
             for learnt_map in self._learnt.values():
                 learnt_map.clear()
             for name in self.counts:
@@ -398,6 +465,14 @@ class NoticeTracker:
             }
 
 
+def _pending_notices(mgr: KVManager) -> int:
+    """The manager's notifier backlog (0 for a manager that does not report it)."""
+    try:
+        return int(getattr(mgr.stats(), "notices_pending", 0))
+    except Exception:
+        return 0
+
+
 class _NoticeClock:
     """The transport a rig's manager sees: the fault injector, with each ``send_notif`` call
     timed for :class:`NoticeTracker` (everything else is forwarded as is)."""
@@ -411,7 +486,11 @@ class _NoticeClock:
 
     def send_notif(self, session_id: str, message: bytes) -> None:
         at = time.monotonic()
-        self._inner.send_notif(session_id, message)
+        try:
+            self._inner.send_notif(session_id, message)
+        except BaseException as exc:
+            self._tracker.send_failed(session_id, message, at, exc)
+            raise
         self._tracker.sent(session_id, message, at)
 
     def __getattr__(self, name: str) -> Any:

@@ -1,0 +1,522 @@
+"""The chunk pipeline: what moves a room's chunks -- staging, the post under the room's post
+gate, polling, hung-chunk sweeps, ending each chunk exactly once -- and the transfer workers.
+
+Every state change goes through the room table (:mod:`sender.rooms`); this module holds no
+lock of the model of its own. It takes a room's post gate (ROOM_GATE) around the
+check-and-register and the posts of a send, the staging pool's lock (inside the pool's
+methods) and the transport's locks (inside the transport).
+
+A ``send`` becomes one chunk per decode session. Without a staging pool the chunks of one
+send are one *unit*: one gate section registers all of them (one room-lock section) and
+posts one NIXL write per session, and the writes that completed inside their post are ended
+together in one room-lock section. With a staging pool each session's chunk is its own unit
+(each needs a slot of its own; waiting for a second slot while holding the first could wait
+for itself). In worker mode (``num_workers > 0``) units are queued and a worker runs each,
+then polls its chunks until each ends or is hung; inline (``num_workers=0``) the caller of
+``send`` runs the unit and ``progress()`` polls.
+
+Hung chunks (past their deadline while NIXL still has them in progress) are *swept* every
+:data:`HUNG_SWEEP_S` wherever the manager runs: every worker loop iteration, busy or idle,
+between the polls of a worker's own chunks, while a worker waits for a staging slot, in
+``progress()`` and ``wait_drained()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from sender import _nixl
+from sender.chunks import Chunk, TransferLike
+from sender.errors import TransferTimeoutError, TransportParamError
+from sender.pages import CheckedPages
+from sender.poll import KVPoll
+from sender.rooms import RoomEntry, RoomTable
+from sender.transport import PageIndices, Transfer, pause_between_polls, poll_pauses
+from staging.buffers import PoolClosedError, PoolExhaustedError, StagingBufferPool
+from staging.context import RoomHandle
+from staging.validate import bounded_wait, check_chunk_idx, check_index
+
+__all__ = ["HUNG_SWEEP_S", "SESSION_FATAL_ERRORS", "ChunkPipeline", "TransportLike"]
+
+logger = logging.getLogger("sender.manager")
+
+# Errors that mean the whole decode peer is gone or hung, not just one transfer: every room
+# with a transfer to that session fails at once (``fail_session``).
+SESSION_FATAL_ERRORS: tuple[type[BaseException], ...] = (
+    TransferTimeoutError,
+    *(
+        (_nixl.bindings.nixlRemoteDisconnectError,)
+        if _nixl.bindings is not None and hasattr(_nixl.bindings, "nixlRemoteDisconnectError")
+        else ()
+    ),
+)
+
+WORKER_SPIN_S = 200e-6
+"""Workers spin (poll with only a ``sched_yield`` between polls) for less than
+``Transfer.wait`` does: several of them poll at once, and on a small machine their spinning
+would take the CPU from NIXL's progress thread and the peer."""
+
+HUNG_SWEEP_S = 0.05
+"""Hung chunks are re-checked this often (:meth:`ChunkPipeline.maybe_sweep`), busy or idle."""
+
+_End = tuple[Chunk, BaseException | None, bool, bool]
+"""``(chunk, exc, abandoned, already_failed)``: one chunk to end (see ``_end_many``)."""
+
+
+class TransportLike(Protocol):
+    """What the pipeline needs of :class:`sender.transport.NixlTransport`."""
+
+    def write_pages(
+        self,
+        session_id: str,
+        src_pages: PageIndices,
+        dst_pages: PageIndices,
+        notif: bytes | None = None,
+        *,
+        src_region: str = "kv",
+        dst_region: str = "kv",
+        timeout_s: float | None = None,
+    ) -> TransferLike: ...
+
+
+class ChunkPipeline:
+    """Stages, posts, polls and ends the chunks of one manager; owns its transfer workers.
+
+    Thread-safety: every public method may be called from any thread. Holds no lock of the
+    model of its own; ``_sweep_claim`` (below) is a plain test-and-set outside the model.
+    """
+
+    def __init__(
+        self,
+        rooms: RoomTable,
+        transport: TransportLike,
+        kv_pool: torch.Tensor,
+        *,
+        staging_pool: StagingBufferPool | None,
+        num_workers: int,
+        transfer_timeout_s: float,
+        slot_timeout_s: float,
+        poll_interval_s: float | None,
+        kv_region: str,
+        staging_region: str,
+        fail_session_on_disconnect: bool,
+    ) -> None:
+        self.rooms = rooms
+        self.transport = transport
+        self.kv_pool = kv_pool
+        self.pool = staging_pool
+        self.transfer_timeout_s = transfer_timeout_s
+        self.slot_timeout_s = slot_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.kv_region = kv_region
+        self.staging_region = staging_region
+        self.fail_session_on_disconnect = fail_session_on_disconnect
+        self._num_pages = int(kv_pool.shape[0])
+        self._page_bytes = int(kv_pool.shape[1])
+        # _sweep_claim: one thread at a time sweeps hung chunks (a non-blocking acquire, so
+        # nobody waits for it); _sweep_due (monotonic s) is written only by its holder and
+        # read without it (a float read is atomic; a stale read delays a sweep by one call).
+        self._sweep_claim = threading.Lock()
+        self._sweep_due = 0.0
+        # The worker queue: units of chunks (SimpleQueue.put never blocks); None = stop.
+        self._queue: queue.SimpleQueue[list[Chunk] | None] = queue.SimpleQueue()
+        self._stopped = False
+        self.workers = [
+            threading.Thread(target=self._worker_main, name=f"kv-worker-{i}", daemon=True)
+            for i in range(num_workers)
+        ]
+        for worker in self.workers:
+            worker.start()
+
+    # ------------------------------------------------------------------ sending
+
+    def submit(
+        self, handle: RoomHandle, chunk_idx: int, start: int, kv_indices: Any, is_last: bool
+    ) -> int:
+        """See :meth:`sender.manager.KVManager.submit_chunk`."""
+        chunk_idx = check_chunk_idx(chunk_idx)
+        start = check_index(start, "start")
+        src_checked: CheckedPages | None = None
+        if kv_indices.size:
+            # One check of the chunk's pages (bounds, then an int32 copy the transport uses
+            # as is; sender/pages.py) instead of one here and another per write.
+            try:
+                src_checked = CheckedPages(kv_indices, unique=False)
+            except TransportParamError:
+                src_checked = None
+            if src_checked is None or src_checked.max_page >= self._num_pages:
+                raise ValueError(f"kv_indices out of range [0, {self._num_pages})")
+        rooms = self.rooms
+        if self.workers:
+            enqueue = self._queue.put if self.pool is None else self._enqueue_each
+            chunks = rooms.begin_chunk(
+                handle, chunk_idx, start, kv_indices, src_checked, is_last, enqueue=enqueue
+            )
+            return 0 if chunks is None else len(chunks)
+        if self.pool is not None:
+            chunks = rooms.begin_chunk(handle, chunk_idx, start, kv_indices, src_checked, is_last)
+            if chunks is None:
+                return 0
+            for chunk in chunks:
+                self._run_unit([chunk])
+            return len(chunks)
+        # Inline, direct: one gate section checks, makes and registers every session's chunk
+        # and posts them; the writes done inside their post end together right after.
+        entry = rooms.peek(handle)
+        if entry is None:
+            return 0
+        ends: list[_End] = []
+        with entry.gate.write_untimed():
+            chunks = rooms.begin_chunk(
+                handle, chunk_idx, start, kv_indices, src_checked, is_last, entry_expected=entry
+            )
+            if chunks:
+                ends = self._post_all(chunks)
+        if chunks is None:
+            return 0
+        if ends:
+            self._end_many_safely(ends)
+        return len(chunks)
+
+    def _enqueue_each(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            self._queue.put([chunk])
+
+    def _run_unit(self, unit: list[Chunk]) -> list[Chunk]:
+        """Stage (with a pool), check-and-post under the gate, end the writes done at their
+        post. Returns the posted chunks still to poll. Never raises: an unexpected error
+        fails the room (the chunks that were not registered end with it)."""
+        try:
+            return self._start(unit)
+        except BaseException as exc:  # before the chunks were registered: they end here
+            for chunk in unit:
+                if not chunk.ended and chunk.transfer is None:
+                    self.rooms.internal_error(chunk, exc, chunk_ends=True)
+            return []
+
+    def _start(self, unit: list[Chunk]) -> list[Chunk]:
+        handle = unit[0].handle
+        rooms = self.rooms
+        # Lock-free early look: only to skip a unit of a purged or failed room cheaply and
+        # to find the room's gate. The decision that counts is taken again under the gate
+        # and the write lock, right before the post.
+        entry = rooms.peek(handle)
+        if entry is None or rooms.request_status.get(handle.room) is KVPoll.Failed:
+            rooms.count("chunks_skipped", len(unit))
+            return []
+        if self.pool is not None:
+            unit = self._stage(entry, unit)
+            if not unit:
+                return []
+        with entry.gate.write_untimed():
+            registered = rooms.register(handle, entry, unit)
+            ends = self._post_all(unit) if registered else []
+        if not registered:
+            self._return_slots(unit)
+            return []
+        if ends:
+            self._end_many(ends)
+        return [c for c in unit if not c.ended]
+
+    def _stage(self, entry: RoomEntry, unit: list[Chunk]) -> list[Chunk]:
+        """Record the prefetch keys, lease a slot per chunk and gather into it. Returns the
+        chunks ready to post; the others ended here (skipped or failed)."""
+        pool = self.pool
+        assert pool is not None
+        rooms = self.rooms
+        handle = entry.handle
+        ready = [c for c in unit if not c.num_pages]  # nothing to stage
+        for chunk in rooms.note_prefetched([c for c in unit if c.num_pages]):
+            try:
+                try:
+                    # Sweep while waiting: the slots waited for may be held by hung chunks.
+                    chunk.slot = pool.acquire(
+                        handle, self.slot_timeout_s, on_wake=self.maybe_sweep,
+                        wake_s=HUNG_SWEEP_S,
+                    )
+                except (PoolExhaustedError, PoolClosedError) as exc:
+                    rooms.slot_failed(chunk, exc)
+                    continue
+                if not rooms.still_postable(handle, entry):  # the wait may have been long
+                    self._return_slots([chunk])
+                    rooms.count("chunks_skipped")
+                    continue
+                pool.gather(chunk.slot, self.kv_pool, chunk.src_pages, chunk.byte_range)
+                ready.append(chunk)
+            except BaseException as exc:
+                self._return_slots([chunk])
+                rooms.internal_error(chunk, exc, chunk_ends=True)
+        return ready
+
+    def _return_slots(self, chunks: Sequence[Chunk]) -> None:
+        if self.pool is None:
+            return
+        for chunk in chunks:
+            if chunk.slot is not None:
+                self.pool.release(chunk.slot)
+                chunk.slot = None
+
+    def _post_all(self, chunks: Sequence[Chunk]) -> list[_End]:
+        """Post every registered chunk (caller holds the room's gate). Returns the chunks
+        that ended at once: nothing to send, the post failed, or the write completed inside
+        its post."""
+        ends: list[_End] = []
+        debug = logger.isEnabledFor(logging.DEBUG)
+        for chunk in chunks:
+            if not chunk.num_pages:  # every page is in the decode prefix: nothing to send
+                ends.append((chunk, None, False, False))
+                continue
+            try:
+                transfer = self._write(chunk)
+            except BaseException as exc:
+                ends.append((chunk, exc, False, False))
+                continue
+            chunk.transfer = transfer
+            if debug:
+                logger.debug(
+                    "room %d gen %d chunk %d -> %r: posted %d pages",
+                    chunk.handle.room, chunk.handle.generation, chunk.chunk_idx,
+                    chunk.session_id, chunk.num_pages,
+                )
+            # Our own transfers say whether they completed inside the post (other transfer
+            # types, e.g. fault injectors, are asked by a poll as usual).
+            if type(transfer) is Transfer and transfer.done:
+                ends.append((chunk, None, False, False))
+        return ends
+
+    def _write(self, chunk: Chunk) -> TransferLike:
+        handle = chunk.handle
+        notif = f"room={handle.room};chunk={chunk.chunk_idx};last={int(chunk.is_last)}".encode()
+        if chunk.slot is not None:
+            src: PageIndices = CheckedPages.span(chunk.slot.first_page, chunk.num_pages)
+            region = self.staging_region
+        else:
+            src = chunk.src_checked if chunk.src_checked is not None else chunk.src_pages
+            region = self.kv_region
+        return self.transport.write_pages(
+            chunk.session_id,
+            src,
+            chunk.dst_checked if chunk.dst_checked is not None else chunk.dst_pages,
+            notif,
+            src_region=region,
+            dst_region=chunk.dst_region,
+            timeout_s=self.transfer_timeout_s,
+        )
+
+    # ------------------------------------------------------------------ polling, ending
+
+    def poll_once(self, chunk: Chunk) -> tuple[bool, _End | None]:
+        """Poll ``chunk`` once. Returns ``(done_for_caller, end)``: ``done_for_caller`` once
+        it ended (here or elsewhere) or is hung (its room failed; it ends once it settles,
+        see :meth:`maybe_sweep`); ``end`` is what to pass to :meth:`end_many` when this poll
+        saw its end. Never raises: a transfer error is the chunk's outcome."""
+        if chunk.ended:
+            return True, None
+        transfer = chunk.transfer
+        if transfer is None:  # registered, still being posted
+            return False, None
+        if chunk.hung is not None:  # its room already failed; ends once it settles
+            settled = getattr(transfer, "settled", None)
+            if settled is None or settled():
+                return True, (chunk, chunk.hung, False, True)
+            return True, None
+        try:
+            state = transfer.poll()
+        except TransferTimeoutError as exc:
+            settled = getattr(transfer, "settled", None)
+            if settled is not None and not settled():
+                self._hang(chunk, exc)  # NIXL still has it: it may yet write
+                return True, None
+            return True, (chunk, exc, False, False)
+        except BaseException as exc:
+            return True, (chunk, exc, False, False)
+        if state != "DONE":
+            return False, None
+        return True, (chunk, None, False, False)
+
+    def poll_all(self, chunks: Sequence[Chunk]) -> list[Chunk]:
+        """Poll each chunk once and end those that ended, together; the chunks still to poll
+        (neither ended nor hung)."""
+        ends: list[_End] = []
+        still: list[Chunk] = []
+        for chunk in chunks:
+            done, end = self.poll_once(chunk)
+            if end is not None:
+                ends.append(end)
+            if not done:
+                still.append(chunk)
+        if ends:
+            self._end_many(ends)
+        return still
+
+    def _hang(self, chunk: Chunk, exc: BaseException) -> None:
+        """The chunk passed its deadline while NIXL still has it in progress: fail its room
+        now (and its session), but keep the chunk (transfer and slot) until it settles."""
+        if self.rooms.mark_hung(chunk, exc) and self.fail_session_on_disconnect:
+            self.rooms.fail_session(chunk.session_id, f"{type(exc).__name__}: {exc}")
+
+    def _fatal(self, exc: BaseException | None) -> bool:
+        return self.fail_session_on_disconnect and isinstance(exc, SESSION_FATAL_ERRORS)
+
+    def _nbytes(self, chunk: Chunk) -> int:
+        per_page = self._page_bytes if chunk.byte_range is None else chunk.byte_range[1]
+        return chunk.num_pages * per_page
+
+    def _end_many(self, ends: Sequence[_End]) -> int:
+        """End each chunk exactly once: the claim, the transfer's release and the slot's
+        return per chunk, then the accounting of all of them in one room-lock section, then
+        the sessions to fail. Returns how many this call claimed. A release that raised is
+        re-raised after the accounting (the room then fails as an internal error)."""
+        claimed: list[_End] = []
+        error: BaseException | None = None
+        for end in ends:
+            chunk = end[0]
+            if not chunk.claim():
+                continue
+            try:
+                if chunk.transfer is not None:
+                    chunk.transfer.release()
+            except BaseException as release_error:
+                error = error or release_error
+            finally:
+                if chunk.slot is not None and self.pool is not None:
+                    self.pool.release(chunk.slot)
+            claimed.append(end)
+        if claimed:
+            after = self.rooms.account_ends(claimed, self._nbytes, self._fatal)
+            if logger.isEnabledFor(logging.DEBUG):
+                for chunk, outcome, abandoned, _ in claimed:
+                    logger.debug(
+                        "room %d gen %d chunk %d -> %r ended: %s",
+                        chunk.handle.room, chunk.handle.generation, chunk.chunk_idx,
+                        chunk.session_id,
+                        "abandoned" if abandoned else "done" if outcome is None else repr(outcome),
+                    )
+            after.run(self.rooms.events)
+            for session_id, fatal in after.fatal:
+                self.rooms.fail_session(session_id, f"{type(fatal).__name__}: {fatal}")
+        if error is not None:
+            raise error
+        return len(claimed)
+
+    def _end_many_safely(self, ends: Sequence[_End]) -> int:
+        """:meth:`_end_many` that never raises (a release error fails the room)."""
+        try:
+            return self._end_many(ends)
+        except BaseException as exc:
+            self.rooms.internal_error(ends[0][0], exc, chunk_ends=False)
+            return 0
+
+    def end_many(self, ends: Sequence[_End]) -> int:
+        """Public :meth:`_end_many` that never raises; how many it claimed."""
+        return self._end_many_safely(ends)
+
+    # ------------------------------------------------------------------ sweeps, draining
+
+    def maybe_sweep(self) -> None:
+        """Sweep hung chunks if any and a sweep is due (every :data:`HUNG_SWEEP_S`), unless
+        another thread is sweeping. Called wherever the manager runs, so a hung chunk whose
+        write has settled ends within about one sweep period of settling, busy or idle, and
+        returns its slot. Never raises; never blocks."""
+        rooms = self.rooms
+        if not rooms.hung or time.monotonic() < self._sweep_due:
+            return
+        if not self._sweep_claim.acquire(False):
+            return
+        try:
+            self._sweep_due = time.monotonic() + HUNG_SWEEP_S
+            self.poll_all(rooms.hung_chunks())
+        except BaseException:  # never raises into the caller (a worker, a slot wait)
+            rooms.unaccounted_errors += 1
+        finally:
+            self._sweep_claim.release()
+
+    def progress(self, handle: RoomHandle) -> None:
+        """See :meth:`sender.manager.KVManager.progress`."""
+        if self.workers:
+            self.maybe_sweep()  # hung chunks are swept wherever the manager runs
+            return
+        pending = self.rooms.pending_of(handle)
+        if pending:
+            self.poll_all(pending)
+
+    def wait_drained(self, handle: RoomHandle | None, timeout_s: float) -> bool:
+        """See :meth:`sender.manager.KVManager.wait_drained` (``timeout_s`` checked)."""
+        rooms = self.rooms
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.maybe_sweep()
+            with rooms.lock.read():
+                pending = rooms.draining_of_locked(handle)
+                left = rooms.lingering_locked(handle)
+            if not left:
+                return True
+            try:
+                self.poll_all(pending)
+            except BaseException:  # a release error: the chunk ended; keep waiting
+                rooms.unaccounted_errors += 1
+            if time.monotonic() >= deadline:
+                with rooms.lock.read():
+                    return rooms.lingering_locked(handle) == 0
+            time.sleep(0.0002)
+
+    def abandon_draining(self) -> int:
+        """``close()``: release every draining chunk nobody ended yet (their bytes may still
+        land); how many this call abandoned."""
+        with self.rooms.lock.read():
+            left = list(self.rooms.draining.values())
+        if not left:
+            return 0
+        return self._end_many_safely([(c, None, True, False) for c in left])
+
+    # ------------------------------------------------------------------ workers
+
+    def stop_workers(self) -> None:
+        """Queue one stop sentinel per worker (behind every queued unit). Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for _ in self.workers:
+            self._queue.put(None)
+
+    def join_workers(self, deadline: float) -> list[str]:
+        """Join the workers until ``deadline`` (each at least 0.5 s: a worker polling an
+        abandoned chunk sees it released and exits at once); the names still alive."""
+        for worker in self.workers:
+            worker.join(bounded_wait(max(0.5, deadline - time.monotonic())))
+        return [w.name for w in self.workers if w.is_alive()]
+
+    def _worker_main(self) -> None:
+        while True:
+            try:
+                unit = self._queue.get(timeout=HUNG_SWEEP_S)
+            except queue.Empty:
+                self.maybe_sweep()
+                continue
+            if unit is None:
+                return
+            try:
+                pending = self._run_unit(unit)
+                pauses = (
+                    poll_pauses(WORKER_SPIN_S)
+                    if self.poll_interval_s is None
+                    else itertools.repeat(self.poll_interval_s)
+                )
+                while pending:
+                    pending = self.poll_all(pending)
+                    if pending:
+                        self.maybe_sweep()
+                        pause = next(pauses)
+                        hung = self.rooms.hung
+                        pause_between_polls(min(pause, HUNG_SWEEP_S) if hung else pause)
+            except BaseException as exc:  # a worker never dies: the room fails instead
+                self.rooms.internal_error(unit[0], exc, chunk_ends=False)
+            self.maybe_sweep()  # also under steady traffic, when the queue is never empty

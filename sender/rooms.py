@@ -1,0 +1,951 @@
+"""The room table: every per-room table of a prefill sender, and every change to them.
+
+The manager keeps what upstream engines keep as bare dicts on their KV manager, under the
+same names, consistent under threads: ``request_status`` (room -> :class:`KVPoll`),
+``transfer_infos`` (room -> {session: info}), ``req_to_decode_prefix_len``, ``exceptions``
+and, under its own lock, ``failure_records``; plus one :class:`RoomEntry` per open room
+(its handle, sessions, post gate, chunk counts and in-flight chunks) and the chunks still
+*draining* after their room's purge (NIXL cannot cancel a posted write).
+
+Rooms follow the staging layer's lifecycle: every write names the :class:`RoomHandle` of the
+opening it belongs to, and a write for a purged (or reopened) room is refused and counted,
+never allowed to re-create the room.
+
+Nothing here calls NIXL, sleeps or waits for a chunk: the chunk pipeline
+(:mod:`sender.pipeline`) stages, posts and polls, and comes here for every state change.
+What a locked section decides to do once its lock is released (events for metrics, log
+lines, sessions to fail) is collected in an :class:`After` and run by the caller after it.
+
+Locks (``staging.locks.LockLevel``), taken in this order only: a room's post gate
+(ROOM_GATE; one per opening, in its entry) -> ``lock`` (ROOM) -> the staging context's lock
+(STAGING) -> the slot pool's lock (POOL) -> ``failure_lock`` (FAILURE). The notifier's
+counter lock is plain, outside the model and innermost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sender.chunks import Chunk
+from sender.errors import KVTransferError, TransferFailedError, TransferReleasedError
+from sender.infos import TransferInfo
+from sender.notices import RoomNotice, code_for
+from sender.notifier import Notifier
+from sender.pages import CheckedPages
+from sender.poll import KVPoll, is_concluded, merge_status
+from staging.buffers import StagingBufferPool
+from staging.context import RoomHandle, RoomPurge, StagingContext
+from staging.errors import RoomAlreadyOpenError
+from staging.locks import LockLevel, MutexLock, RWLock, make_lock
+
+__all__ = ["COUNTERS", "After", "ManagerPurge", "RoomEntry", "RoomTable"]
+
+logger = logging.getLogger("sender.manager")
+
+COUNTERS = (
+    "rooms_opened",
+    "rooms_succeeded",
+    "rooms_failed",
+    "rooms_cleared",
+    "purges",
+    "chunks_submitted",
+    "chunks_done",
+    "chunks_skipped",
+    "chunks_failed",
+    "chunks_drained",
+    "chunks_released_by_transport",
+    "bytes_posted",
+    "transfers_abandoned",
+    "refused_late_writes",
+    "sessions_failed",
+    "worker_errors",
+)
+"""The room table's counters (``ManagerStats`` fields of the same names)."""
+
+MAX_ROOMS_LOGGED = 64
+"""A session failed as a whole is logged once, naming at most this many of its rooms."""
+
+
+class ManagerEvents(Protocol):
+    """What the room table tells a listener (``KVManager(events=...)``; see
+    :mod:`sender.events` and :mod:`sender.metrics`), always outside its locks."""
+
+    def room_concluded(
+        self, room: int, generation: int, outcome: str, code: str, seconds: float
+    ) -> None: ...
+
+    def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None: ...
+
+
+class After:
+    """What a locked section decided to do once its lock is released: listener events, log
+    lines and sessions to fail. Made per call by the caller, filled under the lock, run
+    (:meth:`run`) after it. Not thread-safe (one thread's scratch list)."""
+
+    __slots__ = ("concluded", "ended", "fatal", "logs")
+
+    def __init__(self) -> None:
+        self.concluded: list[tuple[int, int, str, str, float]] = []
+        self.ended: list[tuple[str, str, float, int]] = []
+        self.logs: list[tuple[int, str, tuple[Any, ...]]] = []
+        self.fatal: list[tuple[str, BaseException]] = []
+
+    def run(self, events: ManagerEvents | None) -> None:
+        """Emit the events and log lines (never raises: a listener error is logged)."""
+        for level, msg, args in self.logs:
+            logger.log(level, msg, *args)
+        if events is None:
+            return
+        try:
+            for rec in self.concluded:
+                events.room_concluded(*rec)
+            for end in self.ended:
+                events.chunk_ended(*end)
+        except Exception:  # a listener must never break a manager thread
+            logger.exception("a ManagerEvents listener raised")
+
+
+@dataclass(slots=True, eq=False)
+class RoomEntry:
+    """Bookkeeping of one open room. Guarded by the room table's ``lock``, except ``gate``
+    (the room's post gate, a lock of level ``ROOM_GATE``), ``handle``, ``sessions`` and
+    ``opened_at``, which never change."""
+
+    handle: RoomHandle
+    sessions: tuple[str, ...]
+    gate: RWLock | MutexLock
+    opened_at: float
+    num_kv_indices: int | None = None
+    jobs_total: int = 0
+    jobs_done: int = 0
+    last_chunk_seen: bool = False
+    prefetch_requests: int = 0
+    concluded: bool = False  # its conclusion (success or failure) was counted and told
+    failure_code: str | None = None
+    chunk_idxs: set[int] = field(default_factory=set)
+    inflight: dict[int, Chunk] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerPurge:
+    """What :meth:`KVManager.purge_room` removed for one opening of a room.
+
+    Attributes:
+        room: the room id.
+        was_open: ``False`` when there was nothing to purge (already purged, or a stale
+            handle); every other field is then empty.
+        status: the room's status at the purge.
+        tables: names of the per-room tables that held the room.
+        staging: what the staging context removed.
+        slots_released: always 0: a purge returns no staging slot (each is returned by the
+            worker holding it, when it skips its chunk or when the chunk's transfer ends).
+        transfers_released: always 0 since transfers are drained, not released, by a purge
+            (kept for compatibility).
+        exception: the room's stored exception, removed by this purge (this opening's only).
+        failure_record: the room's failure reason, removed by this purge.
+        draining: posted transfers of this opening that were still in flight when the purge
+            returned. Its destination pages (and slots) are safe to reuse only once
+            :meth:`KVManager.draining` for the handle is 0.
+    """
+
+    room: int
+    was_open: bool
+    status: KVPoll | None
+    tables: tuple[str, ...]
+    staging: RoomPurge | None
+    slots_released: int
+    transfers_released: int
+    exception: BaseException | None = None
+    failure_record: str | None = None
+    draining: int = 0
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """Add ``text`` to ``exc``'s notes once (the stored exception names its room). Python
+    3.10 has no ``add_note``: the ``__notes__`` list is set as 3.11 would set it."""
+    notes = getattr(exc, "__notes__", None)
+    if notes is not None and text in notes:
+        return
+    try:
+        exc.add_note(text)
+    except AttributeError:  # Python 3.10
+        exc.__notes__ = [*(notes or ()), text]
+
+
+class RoomTable:
+    """The per-room tables and their locks.
+
+    Args:
+        staging: the staging context (its rooms open and close with ours).
+        pool: the staging slot pool, or ``None``.
+        notifier: where room notices go.
+        lock: kind of ``lock`` (``"mutex"`` or ``"rw"``).
+        debug: lock debug mode.
+        events: a :class:`ManagerEvents` listener, or ``None``.
+
+    Thread-safety: every public method is safe from any thread; each is one critical section
+    of ``lock`` (or none) unless it says otherwise. Methods whose name ends in ``_locked``
+    expect the caller to hold ``lock`` in write mode.
+    """
+
+    def __init__(
+        self,
+        staging: StagingContext,
+        *,
+        pool: StagingBufferPool | None,
+        notifier: Notifier,
+        lock: str,
+        debug: bool | None,
+        events: ManagerEvents | None = None,
+    ) -> None:
+        self.staging = staging
+        self.pool = pool
+        self.notifier = notifier
+        self.events = events
+        self._debug = debug
+        self.lock = make_lock(lock, "kv-manager", LockLevel.ROOM, debug=debug)
+        self.failure_lock = make_lock("mutex", "kv-failure", LockLevel.FAILURE, debug=debug)
+        # --- Guarded by lock (read under read(), mutate under write()). ---
+        # rooms: open rooms. A room id is a key of any per-room table only while it is in
+        # rooms, and only for the generation recorded there (writes carry the handle).
+        self.rooms: dict[int, RoomEntry] = {}
+        self.request_status: dict[int, KVPoll] = {}
+        self.transfer_infos: dict[int, dict[str, TransferInfo]] = {}
+        self.req_to_decode_prefix_len: dict[int, int] = {}
+        self.exceptions: dict[int, BaseException] = {}
+        # draining: chunk id -> chunk posted for a room that has since been purged, until
+        # the chunk ends (its bytes may still land: its room's destination pages and its
+        # staging slot are not free until then); draining_by_handle counts them per opening.
+        self.draining: dict[int, Chunk] = {}
+        self.draining_by_handle: dict[RoomHandle, int] = {}
+        # hung: chunk id -> chunk that timed out while NIXL still had it in progress (still
+        # in its entry's inflight or in draining too). Swept until its transfer settles.
+        self.hung: dict[int, Chunk] = {}
+        # closing: set once by close_begin(), so that open() (which checks it under the same
+        # lock) and close() are mutually atomic.
+        self.closing = False
+        self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.failed_by_code: dict[str, int] = {}
+        # --- Guarded by failure_lock (taken alone or inside lock). ---
+        self.failure_records: dict[int, str] = {}
+        # Last-resort count of worker errors whose own accounting failed (plain int; only
+        # ever incremented by a thread that could not take the lock; read by stats).
+        self.unaccounted_errors = 0
+        self._chunk_ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ reads
+
+    def peek(self, handle: RoomHandle) -> RoomEntry | None:
+        """The entry of that opening, read without the lock (a dict read is atomic): only
+        for a cheap early look; any decision is taken again under the lock."""
+        entry = self.rooms.get(handle.room)
+        if entry is None or entry.handle.generation != handle.generation:
+            return None
+        return entry
+
+    def live_locked(self, handle: RoomHandle, *, count: bool = False) -> RoomEntry | None:
+        """The entry of that opening, or ``None``. Caller holds ``lock`` (write mode when
+        ``count`` is set, which counts a refused late write)."""
+        entry = self.rooms.get(handle.room)
+        if entry is None or entry.handle.generation != handle.generation:
+            if count:
+                self.counts["refused_late_writes"] += 1
+            return None
+        return entry
+
+    def postable_locked(
+        self, handle: RoomHandle, entry: RoomEntry, *, count: bool = False
+    ) -> bool:
+        """``entry`` is still the open entry of ``handle`` and its room has not failed: a
+        chunk of it may be staged and posted. Caller holds ``lock``."""
+        return (
+            self.live_locked(handle, count=count) is entry
+            and self.request_status.get(handle.room) is not KVPoll.Failed
+        )
+
+    def tables_locked(self) -> tuple[tuple[str, dict[int, Any]], ...]:
+        """The per-room tables guarded by ``lock``, by name (``failure_records`` has its own
+        lock). Caller holds ``lock``."""
+        return (
+            ("request_status", self.request_status),
+            ("transfer_infos", self.transfer_infos),
+            ("req_to_decode_prefix_len", self.req_to_decode_prefix_len),
+            ("exceptions", self.exceptions),
+        )
+
+    def lingering_locked(self, handle: RoomHandle | None) -> int:
+        """What purged openings still have in flight (see ``KVManager.draining``). Caller
+        holds ``lock``."""
+        if handle is None:
+            chunks: Sequence[Chunk] = list(self.draining.values())
+            n = len(chunks)
+        else:
+            n = self.draining_by_handle.get(handle, 0)
+            chunks = [] if not n or self.pool is None else self.draining_of_locked(handle)
+        if self.pool is None:
+            return n
+        if handle is not None:
+            owners = [] if self.live_locked(handle) is not None else [handle]
+        else:
+            owners = [
+                o
+                for o in self.pool.owners()
+                if isinstance(o, RoomHandle) and self.live_locked(o) is None
+            ]
+        held = sum(self.pool.owner_slots(o) for o in owners)
+        under_chunks = sum(1 for c in chunks if c.slot is not None)
+        return n + max(0, held - under_chunks)
+
+    def draining_of_locked(self, handle: RoomHandle | None) -> list[Chunk]:
+        """The draining chunks of that opening (all with ``None``). Caller holds ``lock``."""
+        if handle is None:
+            return list(self.draining.values())
+        if not self.draining_by_handle.get(handle):
+            return []
+        return [c for c in self.draining.values() if c.handle == handle]
+
+    # ------------------------------------------------------------------ status helpers
+
+    def set_status_locked(self, room: int, status: KVPoll) -> None:
+        """Caller holds ``lock`` (write) and checked the room is live."""
+        self.request_status[room] = merge_status(self.request_status.get(room), status)
+
+    def maybe_succeed_locked(self, entry: RoomEntry, after: After | None) -> None:
+        """Caller holds ``lock`` (write)."""
+        if entry.last_chunk_seen and entry.jobs_done == entry.jobs_total:
+            room = entry.handle.room
+            self.set_status_locked(room, KVPoll.Success)
+            if not entry.concluded and self.request_status[room] is KVPoll.Success:
+                entry.concluded = True
+                self.counts["rooms_succeeded"] += 1
+                if after is not None and self.events is not None:
+                    after.concluded.append(
+                        (room, entry.handle.generation, "success", "ok",
+                         time.monotonic() - entry.opened_at)
+                    )
+
+    def fail_locked(
+        self,
+        handle: RoomHandle,
+        exc: BaseException | None,
+        reason: str,
+        after: After | None,
+        *,
+        code: str | None = None,
+        session_id: str | None = None,
+        chunk_idx: int | None = None,
+        quiet: bool = False,
+    ) -> bool:
+        """Fail the opening (status ``Failed``; the first exception and reason are kept). The
+        first failure of an opening is counted by reason code, told to the listener and
+        logged as one WARNING naming room, generation, sessions, code and reason (``quiet``:
+        the caller logs it, e.g. a session failed as a whole). ``False`` for a purged
+        opening (counted as a refused late write). Caller holds ``lock`` (write)."""
+        entry = self.live_locked(handle, count=True)
+        if entry is None:
+            return False
+        room = handle.room
+        first = self.request_status.get(room) is not KVPoll.Failed
+        if exc is not None and room not in self.exceptions:
+            where = f"room {room} generation {handle.generation}"
+            if session_id is not None:
+                where += f", session {session_id!r}"
+            if chunk_idx is not None:
+                where += f", chunk {chunk_idx}"
+            _note(exc, f"nixl-staging: {where}")
+            self.exceptions[room] = exc
+        self.set_status_locked(room, KVPoll.Failed)
+        with self.failure_lock.write():
+            self.failure_records.setdefault(room, reason)
+        if first:
+            code = code or code_for(reason, exc)
+            entry.failure_code = code
+            self.failed_by_code[code] = self.failed_by_code.get(code, 0) + 1
+            if not entry.concluded:
+                entry.concluded = True
+                self.counts["rooms_failed"] += 1
+                if after is not None:
+                    if self.events is not None:
+                        after.concluded.append(
+                            (room, handle.generation, "failed", code,
+                             time.monotonic() - entry.opened_at)
+                        )
+                    if not quiet:
+                        after.logs.append(
+                            (
+                                logging.WARNING,
+                                "room %d generation %d failed (sessions %s): %s: %s",
+                                (room, handle.generation, ", ".join(entry.sessions), code,
+                                 reason),
+                            )
+                        )
+        return True
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to a counter (one write section)."""
+        with self.lock.write():
+            self.counts[name] += n
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self, room: int, sessions: tuple[str, ...]) -> RoomHandle:
+        """Open ``room`` (status ``Bootstrapping``). Atomic, also against ``close_begin``.
+
+        Raises:
+            RoomAlreadyOpenError, RuntimeError (closed), LockTimeoutError (staging).
+        """
+        gate = make_lock("mutex", "kv-room-gate", LockLevel.ROOM_GATE, debug=self._debug)
+        now = time.monotonic()
+        with self.lock.write():
+            if self.closing:
+                raise RuntimeError("KVManager is closed")
+            if room in self.rooms:
+                raise RoomAlreadyOpenError(room)
+            handle = self.staging.open_room(room)
+            self.rooms[room] = RoomEntry(handle, sessions, gate, now)
+            self.request_status[room] = KVPoll.Bootstrapping
+            self.counts["rooms_opened"] += 1
+        return handle
+
+    def add_info(self, handle: RoomHandle, info: TransferInfo) -> bool:
+        """Store ``info`` (see ``KVManager.add_transfer_info``). One write section.
+
+        Raises:
+            ValueError: not a session of the room; or too few destination pages for the
+                declared ``num_kv_indices`` (then the room is failed, the info not stored).
+        """
+        after = After()
+        short = False
+        reason = ""
+        with self.lock.write():
+            entry = self.live_locked(handle, count=True)
+            if entry is None:
+                return False
+            if info.session_id not in entry.sessions:
+                raise ValueError(
+                    f"session {info.session_id!r} is not a session of room {handle.room}"
+                )
+            short = entry.num_kv_indices is not None and (
+                info.dst_pages.size < entry.num_kv_indices
+            )
+            if short:
+                reason = (
+                    f"session {info.session_id!r} gave {info.dst_pages.size} destination "
+                    f"pages; the room sends num_kv_indices={entry.num_kv_indices}"
+                )
+                self.fail_locked(
+                    handle, KVTransferError(handle.room, reason), reason, after,
+                    code="bad-input", session_id=info.session_id,
+                )
+            else:
+                infos = self.transfer_infos.setdefault(handle.room, {})
+                infos[info.session_id] = info
+                self.req_to_decode_prefix_len[handle.room] = max(
+                    self.req_to_decode_prefix_len.get(handle.room, 0), info.decode_prefix_len
+                )
+                if len(infos) == len(entry.sessions):
+                    self.set_status_locked(handle.room, KVPoll.WaitingForInput)
+        after.run(self.events)
+        if short:
+            raise ValueError(f"room {handle.room} failed: {reason}")
+        return True
+
+    def init(self, handle: RoomHandle, num_kv_indices: int) -> bool:
+        """Set ``num_kv_indices``. One write section.
+
+        Raises:
+            ValueError: larger than a stored info's ``dst_pages`` (nothing changes).
+        """
+        with self.lock.write():
+            entry = self.live_locked(handle)
+            if entry is None:
+                return False
+            for info in self.transfer_infos.get(handle.room, {}).values():
+                if num_kv_indices > info.dst_pages.size:
+                    raise ValueError(
+                        f"num_kv_indices {num_kv_indices} > {info.dst_pages.size} destination "
+                        f"pages of session {info.session_id!r}"
+                    )
+            entry.num_kv_indices = num_kv_indices
+            return True
+
+    def fail(
+        self,
+        handle: RoomHandle,
+        exc: BaseException | None,
+        reason: str,
+        *,
+        code: str | None = None,
+        session_id: str | None = None,
+        chunk_idx: int | None = None,
+    ) -> bool:
+        """:meth:`fail_locked` in one write section, its after-effects run. Never raises for a
+        state reason."""
+        after = After()
+        with self.lock.write_untimed():
+            failed = self.fail_locked(
+                handle, exc, reason, after, code=code, session_id=session_id,
+                chunk_idx=chunk_idx,
+            )
+        after.run(self.events)
+        return failed
+
+    def purge(self, room: int, generation: int | None) -> ManagerPurge:
+        """Remove the opening from every table, the staging context and the slot pool at once
+        (see ``KVManager.purge_room``): its post gate, then one write section (ROOM ->
+        STAGING -> FAILURE), all untimed. Never raises for a state reason."""
+        with self.lock.read():
+            entry = self.rooms.get(room)
+        if entry is None or (generation is not None and entry.handle.generation != generation):
+            return ManagerPurge(room, False, None, (), None, 0, 0)
+        after = After()
+        with entry.gate.write_untimed(), self.lock.write_untimed():
+            if self.rooms.get(room) is not entry:  # another purge won
+                return ManagerPurge(room, False, None, (), None, 0, 0)
+            del self.rooms[room]
+            status = self.request_status.get(room)
+            exception = self.exceptions.get(room)
+            tables: list[str] = []
+            for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
+                if table.pop(room, None) is not None:
+                    tables.append(name)
+            staged = self.staging.purge_room(entry.handle)
+            # Staging slots are not returned here: every slot of this opening is held by a
+            # thread (gathering into it, or under a posted chunk), and that thread returns it
+            # when it skips the chunk or when the chunk ends. Returning it now would let
+            # another room lease and overwrite a slot that a transfer still reads from.
+            with self.failure_lock.write():
+                record = self.failure_records.pop(room, None)
+                if record is not None:
+                    tables.append("failure_records")
+            for chunk_id, chunk in entry.inflight.items():
+                self.draining[chunk_id] = chunk
+            draining = len(entry.inflight)
+            if draining:
+                self.draining_by_handle[entry.handle] = draining
+            entry.inflight.clear()
+            self.counts["purges"] += 1
+            if not is_concluded(status):
+                self.counts["rooms_cleared"] += 1
+                entry.concluded = True
+                after.logs.append(
+                    (
+                        logging.INFO,
+                        "room %d generation %d cleared before it concluded (status %s, "
+                        "%d chunks draining)",
+                        (room, entry.handle.generation, getattr(status, "name", status),
+                         draining),
+                    )
+                )
+                if self.events is not None:
+                    after.concluded.append(
+                        (room, entry.handle.generation, "cleared", "cleared",
+                         time.monotonic() - entry.opened_at)
+                    )
+            if self.notifier.enabled and status is not KVPoll.Success:
+                failed = status is KVPoll.Failed
+                notice = RoomNotice(
+                    room,
+                    entry.handle.generation,
+                    "failed" if failed else "cleared",
+                    (entry.failure_code or code_for(record, exception)) if failed else "cleared",
+                )
+                if draining:
+                    self.notifier.hold(entry.handle, notice, entry.sessions)
+                else:
+                    self.notifier.enqueue(notice, entry.sessions)
+        after.run(self.events)
+        return ManagerPurge(
+            room, True, status, tuple(tables), staged, 0, 0, exception, record, draining
+        )
+
+    def fail_session(self, session_id: str, reason: str) -> frozenset[int]:
+        """Fail every open, unconcluded room of ``session_id`` and drop the session's staging
+        keys, in one write section (untimed); logged once for the session. Never raises for
+        a state reason."""
+        failed: list[tuple[int, int]] = []
+        after = After()
+        with self.lock.write_untimed():
+            for room_id, entry in self.rooms.items():
+                if session_id not in entry.sessions:
+                    continue
+                if is_concluded(self.request_status.get(room_id)):
+                    continue
+                exc = KVTransferError(
+                    room_id,
+                    f"decode peer {session_id!r} failed: {reason}",
+                    generation=entry.handle.generation,
+                    session_id=session_id,
+                )
+                self.fail_locked(
+                    entry.handle, exc, exc.reason, after, code="peer-failed",
+                    session_id=session_id, quiet=True,
+                )
+                failed.append((room_id, entry.handle.generation))
+            self.staging.purge_session(session_id)
+            self.counts["sessions_failed"] += 1
+        named = ", ".join(f"{r} (gen {g})" for r, g in failed[:MAX_ROOMS_LOGGED])
+        more = len(failed) - MAX_ROOMS_LOGGED
+        # Once per wave of rooms: a session is failed again by every later chunk that sees
+        # the same error, which finds nothing left to fail (DEBUG then).
+        logger.log(
+            logging.WARNING if failed else logging.DEBUG,
+            "decode session %r failed (%s): %d unconcluded rooms failed%s%s",
+            session_id, reason, len(failed), f": {named}" if failed else "",
+            f" and {more} more" if more > 0 else "",
+        )
+        after.run(self.events)
+        return frozenset(r for r, _ in failed)
+
+    def close_begin(self) -> list[RoomHandle]:
+        """Refuse new rooms from now on; the handles of the rooms open now (one section)."""
+        with self.lock.write_untimed():
+            self.closing = True
+            return [e.handle for e in self.rooms.values()]
+
+    # ------------------------------------------------------------------ chunks
+
+    def begin_chunk(
+        self,
+        handle: RoomHandle,
+        chunk_idx: int,
+        start: int,
+        kv_indices: Any,
+        src_checked: CheckedPages | None,
+        is_last: bool,
+        *,
+        entry_expected: RoomEntry | None = None,
+        enqueue: Callable[[list[Chunk]], None] | None = None,
+    ) -> list[Chunk] | None:
+        """Check a send against its room and make one chunk per session, in one write
+        section: ``None`` if the opening is purged or failed (refused). With
+        ``entry_expected`` (the caller holds that entry's gate) the chunks are registered
+        as in flight in the same section (the post fence's check-and-register); with
+        ``enqueue`` they are handed to it under the lock (the worker queue: ``close()``'s
+        stop sentinels then queue behind them).
+
+        Raises:
+            ValueError: the room is not ready, ``chunk_idx`` was already submitted, or the
+                chunk ends past ``num_kv_indices`` or a session's destination pages. Nothing
+                changes then.
+        """
+        n = int(kv_indices.shape[0])
+        end = start + n
+        now = time.monotonic()
+        after: After | None = None
+        with self.lock.write():
+            entry = self.live_locked(handle)
+            if entry is None or (entry_expected is not None and entry is not entry_expected):
+                return None
+            if self.request_status.get(handle.room) is KVPoll.Failed:
+                return None
+            infos = self.transfer_infos.get(handle.room)
+            if entry.num_kv_indices is None or infos is None or len(infos) != len(
+                entry.sessions
+            ):
+                raise ValueError(f"room {handle.room} is not ready: no transfer info or no init")
+            if chunk_idx in entry.chunk_idxs:
+                raise ValueError(f"chunk {chunk_idx} of room {handle.room} was already submitted")
+            if end > entry.num_kv_indices:
+                raise ValueError(
+                    f"chunk ends at page {end}, past num_kv_indices={entry.num_kv_indices}"
+                )
+            for info in infos.values():
+                if info.dst_pages.size < end:  # add_info refuses these; be sure
+                    raise ValueError(
+                        f"session {info.session_id!r} has {info.dst_pages.size} destination "
+                        f"pages; chunk ends at page {end}"
+                    )
+            chunks: list[Chunk] = []
+            ids = self._chunk_ids
+            for info in infos.values():
+                # Pages before the decode prefix are already at the peer: skip them.
+                skip = min(max(info.decode_prefix_len - start, 0), n)
+                sends = skip < n
+                dst_checked = info.dst_checked
+                chunks.append(
+                    Chunk(
+                        handle,
+                        chunk_idx,
+                        info.session_id,
+                        kv_indices[skip:] if skip else kv_indices,
+                        info.dst_pages[start + skip : end],
+                        info.byte_range,
+                        info.dst_region,
+                        is_last,
+                        next(ids),
+                        (src_checked[skip:] if skip else src_checked)
+                        if sends and src_checked is not None
+                        else None,
+                        dst_checked[start + skip : end]
+                        if sends and dst_checked is not None
+                        else None,
+                        now,
+                    )
+                )
+            entry.chunk_idxs.add(chunk_idx)
+            entry.jobs_total += len(chunks)
+            entry.last_chunk_seen = entry.last_chunk_seen or is_last
+            self.counts["chunks_submitted"] += len(chunks)
+            self.set_status_locked(handle.room, KVPoll.Transferring)
+            if is_last and not chunks:
+                after = After()
+                self.maybe_succeed_locked(entry, after)
+            if entry_expected is not None:
+                for chunk in chunks:
+                    entry.inflight[chunk.chunk_id] = chunk
+            elif enqueue is not None:
+                enqueue(chunks)
+        if after is not None:
+            after.run(self.events)
+        return chunks
+
+    def register(self, handle: RoomHandle, entry: RoomEntry, chunks: Sequence[Chunk]) -> bool:
+        """The post fence's check-and-register (the caller holds ``entry.gate``): if the
+        opening is still open and not failed, register ``chunks`` as in flight (``True``);
+        else count them skipped (``False``). One write section."""
+        with self.lock.write():
+            if self.postable_locked(handle, entry, count=True):
+                for chunk in chunks:
+                    entry.inflight[chunk.chunk_id] = chunk
+                return True
+            self.counts["chunks_skipped"] += len(chunks)
+            return False
+
+    def still_postable(self, handle: RoomHandle, entry: RoomEntry) -> bool:
+        """A read: may a chunk of it still be staged? (The answer that counts is
+        :meth:`register`'s.)"""
+        with self.lock.read():
+            return self.postable_locked(handle, entry)
+
+    def note_prefetched(self, chunks: Sequence[Chunk]) -> list[Chunk]:
+        """Record the staging prefetch key of each chunk (staging context), then count them
+        on the room in one write section; mark the room prefetched once every chunk of it is
+        in. Returns the chunks whose key was recorded (the others are counted skipped: their
+        room is gone)."""
+        if not chunks:
+            return []
+        handle = chunks[0].handle
+        kept = [
+            c for c in chunks if self.staging.request_prefetch(c.handle, c.chunk_idx, c.session_id)
+        ]
+        complete = False
+        with self.lock.write():
+            refused = len(chunks) - len(kept)
+            entry = self.live_locked(handle, count=bool(kept))
+            if entry is None:
+                refused = len(chunks)
+                kept = []
+            else:
+                entry.prefetch_requests += len(kept)
+                complete = entry.last_chunk_seen and entry.prefetch_requests == entry.jobs_total
+            self.counts["chunks_skipped"] += refused
+        if complete:
+            self.staging.mark_prefetched(handle)
+        return kept
+
+    def complete_unposted(self, chunks: Sequence[Chunk]) -> None:
+        """Chunks with no page to send (all in the decode prefix) are done at once."""
+        if not chunks:
+            return
+        after = After()
+        with self.lock.write():
+            for chunk in chunks:
+                entry = self.live_locked(chunk.handle, count=True)
+                if entry is None:
+                    self.counts["chunks_skipped"] += 1
+                    continue
+                entry.jobs_done += 1
+                self.counts["chunks_done"] += 1
+                self.maybe_succeed_locked(entry, after)
+        after.run(self.events)
+
+    def slot_failed(self, chunk: Chunk, exc: BaseException) -> None:
+        """No staging slot for ``chunk``: fail its room (the chunk ends failed, or skipped if
+        its room is gone)."""
+        after = After()
+        with self.lock.write():
+            if self.fail_locked(
+                chunk.handle, exc, f"no staging slot: {exc}", after, code="internal",
+                session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
+            ):
+                self.counts["chunks_failed"] += 1
+            else:
+                self.counts["chunks_skipped"] += 1
+        after.run(self.events)
+
+    def internal_error(self, chunk: Chunk, exc: BaseException, *, chunk_ends: bool) -> None:
+        """An unexpected error while handling ``chunk``: count it and fail the room; with
+        ``chunk_ends`` the chunk also ends here (failed, or skipped if its room is gone).
+        Never raises (if even that fails, the error is still counted)."""
+        try:
+            after = After()
+            with self.lock.write_untimed():
+                self.counts["worker_errors"] += 1
+                failed = self.fail_locked(
+                    chunk.handle, exc, f"internal error in transfer worker: {exc!r}", after,
+                    code="internal", session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
+                )
+                if chunk_ends:
+                    self.counts["chunks_failed" if failed else "chunks_skipped"] += 1
+            after.run(self.events)
+        except BaseException:
+            self.unaccounted_errors += 1
+
+    def mark_hung(self, chunk: Chunk, exc: BaseException) -> bool:
+        """The chunk passed its deadline while NIXL still has it in progress: fail its room
+        now, keep the chunk (transfer and slot) until it settles. ``False`` if it was hung or
+        ended already."""
+        after = After()
+        with self.lock.write_untimed():
+            if chunk.hung is not None or chunk.ended:
+                return False
+            chunk.hung = exc
+            self.hung[chunk.chunk_id] = chunk
+            reason = (
+                f"transfer of chunk {chunk.chunk_idx} to {chunk.session_id!r} failed: {exc!r}"
+            )
+            self.fail_locked(
+                chunk.handle, exc, reason, after, code="timeout",
+                session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
+            )
+        after.run(self.events)
+        return True
+
+    def account_ends(
+        self,
+        ends: Sequence[tuple[Chunk, BaseException | None, bool, bool]],
+        nbytes: Callable[[Chunk], int],
+        fatal: Callable[[BaseException], bool],
+    ) -> After:
+        """The locked half of ending chunks (each already claimed, released and its slot
+        returned by the caller), all in one write section: unregister each, count it (done,
+        failed or drained), advance or fail its open room, queue its opening's held notice
+        once its last draining chunk ended, and collect the sessions to fail
+        (``after.fatal``: ``fatal(exc)`` and the chunk was not already failed). Entries of
+        ``ends``: ``(chunk, exc, abandoned, already_failed)``. Returns the after-effects
+        (the caller runs them, then fails the sessions)."""
+        after = After()
+        now = time.monotonic()
+        events = self.events is not None
+        with self.lock.write_untimed():
+            counts = self.counts
+            for chunk, exc, abandoned, already_failed in ends:
+                handle = chunk.handle
+                chunk_id = chunk.chunk_id
+                released = isinstance(exc, TransferReleasedError)
+                if self.hung:
+                    self.hung.pop(chunk_id, None)
+                drained = bool(self.draining) and self.draining.pop(chunk_id, None) is not None
+                left = 0
+                if drained:
+                    left = self.draining_by_handle.get(handle, 1) - 1
+                    if left > 0:
+                        self.draining_by_handle[handle] = left
+                    else:
+                        self.draining_by_handle.pop(handle, None)
+                if abandoned:
+                    # Its writes were given up, not drained: they may still land, so the
+                    # decode side must not be told it may reuse the room's pages.
+                    self.notifier.withhold(handle)
+                elif drained and left == 0:
+                    self.notifier.drained(handle)  # its opening's last posted chunk ended
+                entry = self.rooms.get(handle.room)
+                if entry is not None and entry.handle.generation != handle.generation:
+                    entry = None
+                if not drained and entry is not None:
+                    entry.inflight.pop(chunk_id, None)
+                if drained or entry is None or abandoned:
+                    counts["chunks_drained"] += 1
+                    if released:
+                        counts["chunks_released_by_transport"] += 1
+                    if events:
+                        after.ended.append(
+                            (chunk.session_id, "drained", now - chunk.made_at, nbytes(chunk))
+                        )
+                    continue
+                if exc is None:
+                    entry.jobs_done += 1
+                    counts["chunks_done"] += 1
+                    counts["bytes_posted"] += nbytes(chunk)
+                    self.maybe_succeed_locked(entry, after)
+                    if events:
+                        after.ended.append(
+                            (chunk.session_id, "done", now - chunk.made_at, nbytes(chunk))
+                        )
+                    continue
+                counts["chunks_failed"] += 1
+                if events:
+                    after.ended.append(
+                        (chunk.session_id, "failed", now - chunk.made_at, nbytes(chunk))
+                    )
+                if already_failed:
+                    continue
+                room = handle.room
+                if released:
+                    counts["chunks_released_by_transport"] += 1
+                    reason = (
+                        f"transfer of chunk {chunk.chunk_idx} to {chunk.session_id!r} was "
+                        "released by the transport (peer removed or transport closed)"
+                    )
+                    stored: BaseException = KVTransferError(
+                        room, reason, generation=handle.generation,
+                        session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
+                    )
+                    stored.__cause__ = exc
+                    code = "transport"
+                else:
+                    reason = (
+                        f"transfer of chunk {chunk.chunk_idx} to {chunk.session_id!r} failed: "
+                        f"{exc!r}"
+                    )
+                    stored = exc
+                    code = code_for(reason, exc)
+                    if isinstance(exc, TransferFailedError):
+                        # NIXL reported an error *state*: the room fails with an error naming it.
+                        stored = KVTransferError(
+                            room, f"transfer in error state ({exc})",
+                            generation=handle.generation, session_id=chunk.session_id,
+                            chunk_idx=chunk.chunk_idx,
+                        )
+                        stored.__cause__ = exc
+                self.fail_locked(
+                    handle, stored, reason, after, code=code, session_id=chunk.session_id,
+                    chunk_idx=chunk.chunk_idx,
+                )
+                if fatal(exc):
+                    after.fatal.append((chunk.session_id, exc))
+        return after
+
+    def pending_of(self, handle: RoomHandle) -> list[Chunk]:
+        """What an inline ``progress(handle)`` polls: the room's in-flight chunks, every
+        draining chunk and the hung chunks of other rooms. One read section."""
+        with self.lock.read():
+            entry = self.live_locked(handle)
+            pending = [] if entry is None else list(entry.inflight.values())
+            pending.extend(self.draining.values())
+            for hung in self.hung.values():  # hung chunks of other open rooms
+                if hung.handle.room != handle.room:
+                    pending.append(hung)
+        return pending
+
+    def hung_chunks(self) -> list[Chunk]:
+        """A snapshot of the hung chunks (one read section)."""
+        with self.lock.read():
+            return list(self.hung.values())
+
+    # ------------------------------------------------------------------ snapshots
+
+    def gauges(self) -> tuple[int, int, int]:
+        """``(open rooms, chunks in flight of open rooms, chunks draining)``; caller holds
+        ``lock``."""
+        return (
+            len(self.rooms),
+            sum(len(e.inflight) for e in self.rooms.values()),
+            len(self.draining),
+        )
