@@ -45,6 +45,7 @@ Linearizability
 (Wing & Gong search with memoisation) against a sequential model of ``StagingContext``.
 """
 
+from staging._version import __version__
 from stress.framework import (
     InvariantReport,
     Monitor,
@@ -61,6 +62,7 @@ from stress.framework import (
 )
 
 __all__ = [
+    "__version__",
     "InvariantReport",
     "Monitor",
     "Scenario",
