@@ -64,7 +64,7 @@ class StressConfig:
     duration: float | None = None
     seed: int = 0
     switch_interval: float = 1e-6
-    lock: str = "rw"
+    lock: str = "mutex"  # the library's default (StagingContext, KVManager)
     quick: bool = False
     watchdog_s: float = 10.0
     plant_bug: str | None = None
@@ -95,11 +95,14 @@ class ScenarioMetrics:
     """What a scenario hands back besides the counters the monitor already holds.
 
     ``lock``: counters of the main lock under test (e.g. ``LockStats`` as a dict), or
-    ``None``. ``extra``: anything scenario-specific worth putting in the JSON.
+    ``None``. ``extra``: anything scenario-specific worth putting in the JSON. ``skipped``:
+    why the scenario could not run here (e.g. it needs root), or ``None``; a skipped
+    scenario is reported ``SKIP`` with this reason, not ``PASS``.
     """
 
     lock: dict[str, JSONValue] | None = None
     extra: dict[str, JSONValue] = field(default_factory=dict)
+    skipped: str | None = None
 
 
 class Scenario(Protocol):
@@ -254,6 +257,9 @@ class InvariantReport:
     name: str
     violations: int
     examples: tuple[str, ...] = ()
+    tracebacks: tuple[str, ...] = ()
+    """Tracebacks of the first escaped exceptions (``no-escaped-exception`` and the
+    invariants an exception counts under), in the order of ``examples``' exceptions."""
 
     @property
     def held(self) -> bool:
@@ -286,6 +292,7 @@ class Monitor:
         self._lock = threading.Lock()  # guards the fields below
         self._violations: dict[str, int] = dict.fromkeys(invariants, 0)
         self._examples: dict[str, list[str]] = {name: [] for name in invariants}
+        self._tracebacks: dict[str, list[str]] = {name: [] for name in invariants}
         self._counters: list[WorkerCounters] = []
         self._threads: list[threading.Thread] = []
         self._latencies: list[float] = []
@@ -323,20 +330,25 @@ class Monitor:
 
     # -- invariants --------------------------------------------------------------------
 
-    def violation(self, invariant: str, detail: str) -> None:
-        """Count one violation of ``invariant`` (keeping the first few details)."""
+    def violation(self, invariant: str, detail: str, *, tb: str | None = None) -> None:
+        """Count one violation of ``invariant`` (keeping the first few details, and the
+        traceback ``tb`` of an exception behind it)."""
         with self._lock:
             self._violations[invariant] = self._violations.get(invariant, 0) + 1
             examples = self._examples.setdefault(invariant, [])
             if len(examples) < MAX_EXAMPLES:
                 examples.append(detail)
+                if tb is not None:
+                    self._tracebacks.setdefault(invariant, []).append(tb)
 
     def exception(self, exc: BaseException, where: str) -> None:
-        """Count an exception that escaped (or would have escaped) a worker."""
+        """Count an exception that escaped (or would have escaped) a worker, with its
+        traceback."""
         detail = f"{where}: {type(exc).__name__}: {exc}"
-        self.violation(NO_ESCAPED_EXCEPTION, detail)
+        tb = format_traceback(exc)
+        self.violation(NO_ESCAPED_EXCEPTION, detail, tb=tb)
         if type(exc).__name__ in LOCK_ERROR_NAMES:
-            self.violation(LOCK_ORDER, detail)
+            self.violation(LOCK_ORDER, detail, tb=tb)
         elif type(exc).__name__ in DEADLOCK_ERROR_NAMES:
             self.deadlock(detail)
 
@@ -355,7 +367,12 @@ class Monitor:
         """Per-invariant outcome, in declaration order (undeclared names after)."""
         with self._lock:
             return tuple(
-                InvariantReport(name, count, tuple(self._examples.get(name, ())))
+                InvariantReport(
+                    name,
+                    count,
+                    tuple(self._examples.get(name, ())),
+                    tuple(self._tracebacks.get(name, ())),
+                )
                 for name, count in self._violations.items()
             )
 
@@ -419,20 +436,42 @@ class Monitor:
 
     # -- progress ----------------------------------------------------------------------
 
-    def progress_line(self) -> str:
-        """One progress line: elapsed bar, ops, rooms (of total), faults, rate."""
+    def progress_line(self, now: float | None = None) -> str:
+        """One progress line: elapsed bar, ops, rooms (of total), faults, rates.
+
+        Until a counter moves the scenario is still setting up (e.g. starting decode peer
+        processes): the line says ``setting up`` with the time so far and shows no bar (a
+        bar would fill with nothing counted). The bar and the time never pass the run's
+        duration; the time spent past it (joins, end-of-run checks) is shown as
+        ``+N.Ns finishing``. Rates are per second of the run so far.
+        """
         ops, rooms, faults = self.totals()
-        elapsed = max(1e-9, time.monotonic() - self.started)
-        frac = min(1.0, elapsed / self.duration_s) if self.duration_s > 0 else 1.0
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            started = self.started
+        elapsed = max(0.0, now - started)
+        if ops == 0 and rooms == 0 and faults == 0:
+            return f"[{self.scenario}] setting up {elapsed:.1f}s (nothing counted yet)"
+        duration = self.duration_s
+        shown = min(elapsed, duration) if duration > 0 else elapsed
+        frac = shown / duration if duration > 0 else 1.0
         width = 20
         done = int(frac * width)
         bar = "#" * done + "." * (width - done)
+        over = elapsed - duration
+        tail = f" +{over:.1f}s finishing" if duration > 0 and over >= 0.05 else ""
         rooms_txt = f"{rooms:,}" if self.total_rooms is None else f"{rooms:,}/{self.total_rooms:,}"
+        per_s = max(1e-9, shown)
         return (
-            f"[{self.scenario}] [{bar}] {elapsed:5.1f}/{self.duration_s:.1f}s "
+            f"[{self.scenario}] [{bar}] {shown:5.1f}/{duration:.1f}s{tail} "
             f"ops {ops:,}  rooms {rooms_txt}  faults {faults:,}  "
-            f"{_si(ops / elapsed)} ops/s  {_si(rooms / elapsed)} rooms/s"
+            f"{_si(ops / per_s)} ops/s  {_si(rooms / per_s)} rooms/s"
         )
+
+
+def format_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback as the interpreter prints it (with its chained causes)."""
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
 def dump_stacks(stream: IO[str]) -> None:
@@ -488,11 +527,31 @@ class ScenarioResult:
     lock: dict[str, JSONValue] | None
     invariants: tuple[InvariantReport, ...]
     extra: dict[str, JSONValue] = field(default_factory=dict)
+    run_s: float | None = None
+    """Seconds of the run window: from the scenario's start of work (``Monitor.started``,
+    moved by :meth:`Monitor.restart_clock` past a slow set-up) to the return of its
+    ``run``. The time base of :attr:`ops_per_s` and :attr:`rooms_per_s` (``None``: the
+    wall time ``elapsed_s``, which includes set-up and the end-of-run checks)."""
+    skipped: str | None = None
+    """Why the scenario did not run here, or ``None`` (see :attr:`status`)."""
 
     @property
     def ok(self) -> bool:
-        """``True`` if every invariant held."""
+        """``True`` if every invariant held (a skipped scenario violated none)."""
         return all(inv.held for inv in self.invariants)
+
+    @property
+    def status(self) -> str:
+        """``"FAIL"`` if an invariant was violated, else ``"SKIP"`` if the scenario did not
+        run here, else ``"PASS"``."""
+        if not self.ok:
+            return "FAIL"
+        return "SKIP" if self.skipped is not None else "PASS"
+
+    @property
+    def rate_base_s(self) -> float:
+        """The seconds the rates are per: :attr:`run_s`, else :attr:`elapsed_s`."""
+        return self.run_s if self.run_s is not None else self.elapsed_s
 
     @property
     def violations(self) -> int:
@@ -501,26 +560,32 @@ class ScenarioResult:
 
     @property
     def ops_per_s(self) -> float:
-        """Operations per second of wall time."""
-        return self.ops / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        """Operations per second of :attr:`rate_base_s` (the run window)."""
+        base = self.rate_base_s
+        return self.ops / base if base > 0 else 0.0
 
     @property
     def rooms_per_s(self) -> float:
-        """Room lifecycles per second of wall time."""
-        return self.rooms / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        """Room lifecycles per second of :attr:`rate_base_s` (the run window)."""
+        base = self.rate_base_s
+        return self.rooms / base if base > 0 else 0.0
 
     def to_json(self) -> dict[str, JSONValue]:
         """The result as a JSON-ready dict."""
         return {
             "name": self.name,
             "ok": self.ok,
+            "status": self.status,
+            "skipped": self.skipped,
             "seed": self.seed,
             "threads": self.threads,
             "duration_s": self.duration_s,
             "elapsed_s": round(self.elapsed_s, 3),
+            "run_s": None if self.run_s is None else round(self.run_s, 3),
             "ops": self.ops,
             "rooms": self.rooms,
             "faults": self.faults,
+            "rates_per": "run_s" if self.run_s is not None else "elapsed_s",
             "ops_per_s": round(self.ops_per_s, 1),
             "rooms_per_s": round(self.rooms_per_s, 1),
             "latency_p50_ms": self.latency_p50_ms,
@@ -528,7 +593,11 @@ class ScenarioResult:
             "lock": self.lock,
             "violations": self.violations,
             "invariants": {
-                inv.name: {"violations": inv.violations, "examples": list(inv.examples)}
+                inv.name: {
+                    "violations": inv.violations,
+                    "examples": list(inv.examples),
+                    "tracebacks": list(inv.tracebacks),
+                }
                 for inv in self.invariants
             },
             "extra": self.extra,
@@ -647,6 +716,7 @@ def run_scenario(
             metrics = scenario.run(config, monitor)
         except Exception as exc:  # a scenario bug or a broken invariant that raised
             monitor.exception(exc, f"{scenario.name}.run")
+        run_s = max(0.0, time.monotonic() - monitor.started)
     finally:
         elapsed = time.perf_counter() - started
         monitor.stop.set()
@@ -659,6 +729,12 @@ def run_scenario(
     ops, rooms, faults = monitor.totals()
     lat = monitor.latencies()
     p50, p99 = percentile(lat, 50), percentile(lat, 99)
+    skipped = metrics.skipped
+    if skipped is None and isinstance(metrics.extra.get("skipped"), str):
+        skipped = str(metrics.extra["skipped"])
+    invariants = monitor.reports()
+    if skipped is not None and all(inv.held for inv in invariants):
+        invariants = ()  # nothing was checked: no row may read as "held"
     return ScenarioResult(
         name=scenario.name,
         seed=config.seed,
@@ -671,6 +747,28 @@ def run_scenario(
         latency_p50_ms=None if p50 is None else round(p50 * 1e3, 3),
         latency_p99_ms=None if p99 is None else round(p99 * 1e3, 3),
         lock=metrics.lock,
-        invariants=monitor.reports(),
+        invariants=invariants,
         extra=metrics.extra,
+        run_s=None if skipped is not None else run_s,
+        skipped=skipped,
+    )
+
+
+def skipped_result(name: str, reason: str, config: StressConfig) -> ScenarioResult:
+    """The result of a scenario that could not even be loaded here (e.g. a missing extra):
+    ``SKIP`` with ``reason``, nothing counted, nothing checked."""
+    return ScenarioResult(
+        name=name,
+        seed=config.seed,
+        threads=config.threads,
+        duration_s=0.0,
+        elapsed_s=0.0,
+        ops=0,
+        rooms=0,
+        faults=0,
+        latency_p50_ms=None,
+        latency_p99_ms=None,
+        lock=None,
+        invariants=(),
+        skipped=reason,
     )
