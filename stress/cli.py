@@ -35,7 +35,14 @@ from stress.framework import (
     skipped_result,
     skipped_scenarios,
 )
-from stress.report import invariant_table, replay_command, summary_table, write_json
+from stress.native_stderr import NativeStderr
+from stress.report import (
+    invariant_table,
+    native_table,
+    replay_command,
+    summary_table,
+    write_json,
+)
 
 EXIT_SKIPPED = 3
 """Exit status under ``--require-all`` when a scenario was skipped (and none failed)."""
@@ -148,6 +155,11 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
         help="live progress line on stderr (auto: only on a terminal)",
     )  # fmt: skip
     parser.add_argument(
+        "--native-stderr", choices=("count", "show", "pass"), default="count",
+        help="NIXL/UCX lines written to fd 2: count them by class in the report (count), "
+        "count and print them labelled (show), or leave fd 2 alone (pass)",
+    )  # fmt: skip
+    parser.add_argument(
         "--require-all", action="store_true",
         help=f"exit with status {EXIT_SKIPPED} when a scenario is skipped (cannot run here)",
     )  # fmt: skip
@@ -204,15 +216,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[ScenarioResult] = [
         skipped_result(name, why, config) for name, why in skipped.items()
     ]
-    for name, scenario in chosen.items():
-        print(
-            f"== {name}: {config.duration_for(scenario):g} s, {config.threads} threads, "
-            f"lock={config.lock}",
-            flush=True,
-        )
-        results.append(run_scenario(scenario, config, progress=progress, hard_exit=True))
+    native = (
+        None if args.native_stderr == "pass" else NativeStderr(show=args.native_stderr == "show")
+    )
+    if native is not None:
+        try:
+            native.start()
+        except OSError as exc:  # e.g. no fd 2: run without the capture
+            print(f"note: NIXL/UCX lines are not counted ({exc})", flush=True)
+            native = None
+    try:
+        for name, scenario in chosen.items():
+            print(
+                f"== {name}: {config.duration_for(scenario):g} s, {config.threads} threads, "
+                f"lock={config.lock}",
+                flush=True,
+            )
+            results.append(
+                run_scenario(scenario, config, progress=progress, hard_exit=True, native=native)
+            )
+    finally:
+        if native is not None:
+            native.stop()
     print()
     print(summary_table(results))
+    native_text = native_table(results)
+    if native_text:
+        print()
+        print(native_text)
     print()
     print(invariant_table(results))
     failed = [r.name for r in results if not r.ok]

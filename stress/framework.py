@@ -7,7 +7,10 @@ A run of one scenario (:func:`run_scenario`) does, around ``scenario.run(config,
   ``no-escaped-exception`` (and lock-model errors also under ``lock-order``);
 * starts a watchdog thread that fails the run under ``no-deadlock`` (and dumps every thread's
   stack to stderr) when no progress counter moves for ``config.watchdog_s`` seconds;
-* draws a progress line on stderr when it is a TTY;
+* draws a progress line on stderr when it is a TTY (through a :class:`~stress.console.Console`:
+  other output, Python's or NIXL's, is printed above it and the line is redrawn);
+* with a :class:`~stress.native_stderr.NativeStderr` capture active (the CLI's), counts the
+  NIXL/UCX lines written to fd 2 during the run by class (``ScenarioResult.native``);
 * after the scenario returns, joins every thread started with :meth:`Monitor.spawn` within a
   bound and counts the survivors under ``no-thread-left``.
 """
@@ -28,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Protocol
 
+from stress.console import Console, ConsoleStream
 from stress.invariants import (
     DEADLOCK_ERROR_NAMES,
     LOCK_ERROR_NAMES,
@@ -36,6 +40,7 @@ from stress.invariants import (
     NO_ESCAPED_EXCEPTION,
     NO_THREAD_LEFT,
 )
+from stress.native_stderr import NativeLines, NativeStderr
 
 QUICK_DURATION_S = 2.0
 """Per-scenario duration under ``--quick``."""
@@ -286,7 +291,8 @@ class Monitor:
         self.duration_s = duration_s
         self.watchdog_s = watchdog_s
         self.stop = threading.Event()
-        self.started = time.monotonic()
+        self.created = time.monotonic()  # the set-up's start (restart_clock keeps it)
+        self.started = self.created
         self.deadline = self.started + duration_s
         self.total_rooms: int | None = None
         self._lock = threading.Lock()  # guards the fields below
@@ -451,7 +457,8 @@ class Monitor:
             started = self.started
         elapsed = max(0.0, now - started)
         if ops == 0 and rooms == 0 and faults == 0:
-            return f"[{self.scenario}] setting up {elapsed:.1f}s (nothing counted yet)"
+            setting_up = max(0.0, now - self.created)
+            return f"[{self.scenario}] setting up {setting_up:.1f}s (nothing counted yet)"
         duration = self.duration_s
         shown = min(elapsed, duration) if duration > 0 else elapsed
         frac = shown / duration if duration > 0 else 1.0
@@ -534,6 +541,8 @@ class ScenarioResult:
     wall time ``elapsed_s``, which includes set-up and the end-of-run checks)."""
     skipped: str | None = None
     """Why the scenario did not run here, or ``None`` (see :attr:`status`)."""
+    native: NativeLines | None = None
+    """NIXL/UCX lines written to fd 2 during the run, by class (``None``: not captured)."""
 
     @property
     def ok(self) -> bool:
@@ -600,6 +609,12 @@ class ScenarioResult:
                 }
                 for inv in self.invariants
             },
+            "native_stderr": None
+            if self.native is None
+            else {
+                "counts": dict(self.native.counts),
+                "examples": {k: list(v) for k, v in self.native.examples.items()},
+            },
             "extra": self.extra,
         }
 
@@ -650,11 +665,12 @@ class _Watchdog:
 
 
 class _Progress:
-    """Redraws :meth:`Monitor.progress_line` on a TTY every 0.2 s."""
+    """Redraws :meth:`Monitor.progress_line` on a TTY every 0.2 s, as the status line of a
+    :class:`~stress.console.Console` (text printed meanwhile goes above it)."""
 
-    def __init__(self, monitor: Monitor, stream: IO[str]) -> None:
+    def __init__(self, monitor: Monitor, console: Console) -> None:
         self._monitor = monitor
-        self._stream = stream
+        self._console = console
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stress-progress", daemon=True)
 
@@ -665,12 +681,10 @@ class _Progress:
         self._done.set()
         self._thread.join(5.0)
         self._draw()
-        self._stream.write("\n")
-        self._stream.flush()
+        self._console.end_status()
 
     def _draw(self) -> None:
-        self._stream.write("\r" + self._monitor.progress_line() + "\x1b[K")
-        self._stream.flush()
+        self._console.status(self._monitor.progress_line())
 
     def _run(self) -> None:
         while not self._done.wait(0.2):
@@ -684,14 +698,21 @@ def run_scenario(
     progress: bool | None = None,
     hard_exit: bool = False,
     stream: IO[str] | None = None,
+    native: NativeStderr | None = None,
 ) -> ScenarioResult:
     """Run ``scenario`` once under the framework's checks (see the module docstring).
 
-    ``progress=None`` draws the progress line only if ``stream`` (default stderr) is a TTY.
-    ``hard_exit=True`` (the CLI) makes the watchdog ``os._exit(1)`` if the run is still stuck
-    five watchdog periods after a detected stall.
+    ``progress=None`` draws the progress line only if ``stream`` (default stderr) is a TTY;
+    while it is drawn, ``sys.stderr`` (and ``sys.stdout`` when it is a terminal) print
+    through its console. ``hard_exit=True`` (the CLI) makes the watchdog ``os._exit(1)`` if
+    the run is still stuck five watchdog periods after a detected stall. ``native``: an
+    active fd-2 capture whose counts of this run go into ``ScenarioResult.native``.
     """
-    out = stream if stream is not None else sys.stderr
+    capturing = native is not None and native.active
+    if stream is not None:
+        out = stream
+    else:
+        out = native.stderr if native is not None and capturing else sys.stderr
     duration = config.duration_for(scenario)
     monitor = Monitor(
         scenario.name,
@@ -703,7 +724,15 @@ def run_scenario(
     old_switch = sys.getswitchinterval()
     old_hook = threading.excepthook
     watchdog = _Watchdog(monitor, config.watchdog_s, hard_exit)
-    bar = _Progress(monitor, out) if show else None
+    console = Console(out) if show else None
+    bar = _Progress(monitor, console) if console is not None else None
+    old_streams = (sys.stdout, sys.stderr)
+    if console is not None:
+        sys.stderr = ConsoleStream(console, sys.stderr)
+        if _isatty(sys.stdout):
+            sys.stdout = ConsoleStream(console, sys.stdout)
+    if native is not None and capturing:
+        native.attach(console)
     metrics = ScenarioMetrics()
     threading.excepthook = monitor.excepthook
     sys.setswitchinterval(config.switch_interval)
@@ -724,8 +753,15 @@ def run_scenario(
         watchdog.finish()
         if bar is not None:
             bar.finish()
+        if console is not None:
+            sys.stdout, sys.stderr = old_streams
         sys.setswitchinterval(old_switch)
         threading.excepthook = old_hook
+    lines: NativeLines | None = None
+    if native is not None and capturing:
+        native.sync(1.0)  # what this process wrote to fd 2 so far has been read
+        native.attach(None)
+        lines = native.take()
     ops, rooms, faults = monitor.totals()
     lat = monitor.latencies()
     p50, p99 = percentile(lat, 50), percentile(lat, 99)
@@ -751,7 +787,15 @@ def run_scenario(
         extra=metrics.extra,
         run_s=None if skipped is not None else run_s,
         skipped=skipped,
+        native=lines,
     )
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def skipped_result(name: str, reason: str, config: StressConfig) -> ScenarioResult:

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from stress.framework import JSONValue, ScenarioResult, StressConfig
 from stress.invariants import DESCRIPTIONS
+from stress.native_stderr import CLASSES
+
+MEANINGS = {c.name: c.meaning for c in CLASSES}
 
 
 def _table(
@@ -88,6 +91,39 @@ def summary_table(results: Sequence[ScenarioResult]) -> str:
     lines = [_table(header, [_row(r) for r in results]), RATE_NOTE]
     lines += [f"SKIP {r.name}: {r.skipped}" for r in results if r.skipped is not None]
     return "\n".join(lines)
+
+
+def native_table(results: Sequence[ScenarioResult]) -> str:
+    """The NIXL/UCX lines native code wrote to fd 2 during each scenario, counted by class
+    (one row per class seen, one count column per scenario; ``-`` = not captured), with
+    what each class means, or ``""`` when none was seen. They are expected where peers are
+    killed on purpose; an invariant, not these lines, says whether a run failed."""
+    captured = [r for r in results if r.native is not None]
+    names: list[str] = []
+    for r in captured:
+        assert r.native is not None
+        names += [n for n in r.native.counts if n not in names]
+    if not names:
+        if captured:
+            return "native stderr: no NIXL/UCX line on fd 2"
+        return ""
+    order = [c.name for c in CLASSES]
+    names.sort(key=lambda n: order.index(n) if n in order else len(order))
+    header = ("native stderr line", *(r.name for r in results), "meaning")
+    rows = [
+        (
+            name,
+            *("-" if r.native is None else f"{r.native.counts.get(name, 0):,}" for r in results),
+            MEANINGS.get(name, ""),
+        )
+        for name in names
+    ]
+    total = sum(r.native.total for r in captured if r.native is not None)
+    text = _table(header, rows, left=(0, -1))
+    return (
+        f"NIXL/UCX lines on fd 2 (counted, not printed; --native-stderr show prints them): "
+        f"{total:,}\n{text}"
+    )
 
 
 def invariant_table(results: Sequence[ScenarioResult]) -> str:
@@ -170,6 +206,11 @@ def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[st
             before = totals.get(inv.name, 0)
             totals[inv.name] = (before if isinstance(before, int) else 0) + inv.violations
     failed = [r.name for r in results if not r.ok]
+    native: dict[str, JSONValue] = {}
+    for r in results:
+        for name, n in (r.native.counts if r.native is not None else {}).items():
+            before = native.get(name, 0)
+            native[name] = (before if isinstance(before, int) else 0) + n
     return {
         "seed": config.seed,
         "ok": all(r.ok for r in results),
@@ -178,6 +219,7 @@ def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[st
         "config": config.to_json(),
         "scenarios": [r.to_json() for r in results],
         "invariants": totals,
+        "native_stderr": native,
     }
 
 
