@@ -40,7 +40,7 @@ from stress.invariants import (
     NO_ESCAPED_EXCEPTION,
     NO_THREAD_LEFT,
 )
-from stress.native_stderr import NativeLines, NativeStderr
+from stress.native_stderr import NativeLines, NativeStderr, merge
 
 QUICK_DURATION_S = 2.0
 """Per-scenario duration under ``--quick``."""
@@ -304,6 +304,7 @@ class Monitor:
         self._latencies: list[float] = []
         self._deadlocked = False
         self._reported_alive: set[str] = set()
+        self._native: NativeLines | None = None
 
     # -- counters ----------------------------------------------------------------------
 
@@ -333,6 +334,17 @@ class Monitor:
         """A copy of the recorded latencies, in seconds."""
         with self._lock:
             return list(self._latencies)
+
+    def native_lines(self, lines: NativeLines) -> None:
+        """Add NIXL/UCX lines counted elsewhere (e.g. in a child process's own stderr file)
+        to this run's ``ScenarioResult.native``."""
+        with self._lock:
+            self._native = merge(self._native, lines)
+
+    def reported_native(self) -> NativeLines | None:
+        """What :meth:`native_lines` added up, or ``None``."""
+        with self._lock:
+            return self._native
 
     # -- invariants --------------------------------------------------------------------
 
@@ -757,11 +769,11 @@ def run_scenario(
             sys.stdout, sys.stderr = old_streams
         sys.setswitchinterval(old_switch)
         threading.excepthook = old_hook
-    lines: NativeLines | None = None
+    lines = monitor.reported_native()
     if native is not None and capturing:
         native.sync(1.0)  # what this process wrote to fd 2 so far has been read
         native.attach(None)
-        lines = native.take()
+        lines = merge(native.take(), lines)
     ops, rooms, faults = monitor.totals()
     lat = monitor.latencies()
     p50, p99 = percentile(lat, 50), percentile(lat, 99)

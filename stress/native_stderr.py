@@ -40,7 +40,15 @@ from typing import IO
 
 from stress.console import Console
 
-__all__ = ["CLASSES", "LineClass", "NativeLines", "NativeStderr", "classify"]
+__all__ = [
+    "CLASSES",
+    "LineClass",
+    "NativeLines",
+    "NativeStderr",
+    "classify",
+    "count_lines",
+    "merge",
+]
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,36 @@ class NativeLines:
     def total(self) -> int:
         """Lines counted over all classes."""
         return sum(self.counts.values())
+
+
+def count_lines(text: str, classes: tuple[LineClass, ...] = CLASSES) -> NativeLines:
+    """Classify the lines of ``text`` (e.g. a child process's own stderr, read from a file)
+    like :class:`NativeStderr` does; unclassified lines are not counted. Pure."""
+    counts: dict[str, int] = {}
+    examples: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        name = classify(line, classes)
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
+            kept = examples.setdefault(name, [])
+            if len(kept) < MAX_EXAMPLES:
+                kept.append(line)
+    return NativeLines(counts, {k: tuple(v) for k, v in examples.items()})
+
+
+def merge(a: NativeLines | None, b: NativeLines | None) -> NativeLines | None:
+    """``a`` and ``b`` added up (examples: ``a``'s first, up to :data:`MAX_EXAMPLES`);
+    ``None`` only when both are. Pure."""
+    if a is None or b is None:
+        return a if b is None else b
+    counts = dict(a.counts)
+    examples = {k: list(v) for k, v in a.examples.items()}
+    for name, n in b.counts.items():
+        counts[name] = counts.get(name, 0) + n
+    for name, lines in b.examples.items():
+        kept = examples.setdefault(name, [])
+        kept += list(lines)[: max(0, MAX_EXAMPLES - len(kept))]
+    return NativeLines(counts, {k: tuple(v) for k, v in examples.items()})
 
 
 class NativeStderr:

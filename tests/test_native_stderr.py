@@ -252,3 +252,27 @@ def test_cli_reports_native_counts(tmp_path: Path, capsys: pytest.CaptureFixture
     text = capsys.readouterr().out
     assert "native stderr: no NIXL/UCX line on fd 2" in text
     assert json.loads(out.read_text())["scenarios"][0]["native_stderr"]["counts"] == {}
+
+
+def test_lines_of_a_childs_own_stderr_file_are_counted_too() -> None:
+    """two-hosts' sender child writes its stderr to a file: its lines are classified from
+    the file and added to the scenario's counts (with or without a capture)."""
+    from stress.native_stderr import count_lines, merge
+
+    text = "\n".join([*SAMPLES, "Traceback (most recent call last):", *list(SAMPLES)[:2]])
+    counted = count_lines(text)
+    assert counted.counts["nixl-notif-to-dead-peer"] == 2 and counted.total == len(SAMPLES) + 2
+
+    class _Child(_Noisy):
+        def run(self, config: StressConfig, monitor: Monitor) -> ScenarioMetrics:
+            monitor.counters().ops += 1
+            monitor.native_lines(counted)
+            monitor.native_lines(count_lines(next(iter(SAMPLES))))
+            return ScenarioMetrics()
+
+    result = run_scenario(_Child(), StressConfig(), progress=False)
+    assert result.native is not None
+    merged = merge(counted, count_lines(next(iter(SAMPLES))))
+    assert merged is not None and result.native.counts == merged.counts
+    assert result.native.counts["nixl-notif-to-dead-peer"] == 3
+    assert len(result.native.examples["nixl-notif-to-dead-peer"]) == 3

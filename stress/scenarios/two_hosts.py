@@ -85,6 +85,7 @@ from sender.poll import KVPoll
 from staging.context import RoomHandle
 from stress.framework import JSONValue, Monitor, ScenarioMetrics, StressConfig, register
 from stress.invariants import DECODE_PAGE_AUDIT, NO_LEAK, describe
+from stress.native_stderr import NativeLines, count_lines
 from stress.netns import (
     TwoHostLink,
     child_env,
@@ -269,6 +270,13 @@ class TwoHosts:
         limit = max(120.0, 6 * monitor.duration_s)
         result = run_two_hosts(plan, timeout_s=limit, on_progress=progress)
         relay_violations(result, monitor)
+        child_native = result.get("native_stderr") or {}
+        monitor.native_lines(
+            NativeLines(
+                {str(k): int(v) for k, v in child_native.get("counts", {}).items()},
+                {str(k): tuple(v) for k, v in child_native.get("examples", {}).items()},
+            )
+        )
         print(format_phases(result), flush=True)
         return ScenarioMetrics(extra=summary(result))
 
@@ -458,7 +466,8 @@ def run_two_hosts(
             if proc.stdout is not None:
                 proc.stdout.close()
         err.seek(0)
-        tail = err.read()[-4000:]
+        child_err = err.read()
+        tail = child_err[-4000:]
         if stderr is not None and tail:
             stderr.write(tail)
         left = link.pids_inside()
@@ -469,6 +478,11 @@ def run_two_hosts(
     if left:
         result.setdefault("error", f"processes left in the namespace: {left}")
     result["stderr_tail"] = tail
+    counted = count_lines(child_err)  # the child's NIXL/UCX lines (its own stderr file)
+    result["native_stderr"] = {
+        "counts": dict(counted.counts),
+        "examples": {k: list(v) for k, v in counted.examples.items()},
+    }
     cleanup_stale()  # the child's own names, if it made any and died
     return result
 
