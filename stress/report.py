@@ -55,8 +55,8 @@ def _contention(result: ScenarioResult) -> str:
 
 RATE_NOTE = (
     "rates are per second of 'run s', the run window: from the scenario's start of work "
-    "(after its set-up, e.g. peer start-up) to its end; 'wall s' adds set-up and the "
-    "end-of-run checks"
+    "(after its set-up, e.g. peer start-up) until its run returned (its own end checks "
+    "included); 'wall s' adds the set-up and the framework's final joins"
 )
 
 
