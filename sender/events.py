@@ -126,11 +126,11 @@ class FanOut:
 
     @property
     def listeners(self) -> tuple[ManagerEvents, ...]:
-        """The listeners, in calling order. Thread-safe (immutable)."""
+        """The listeners, in calling order. Thread-safe (immutable); raises nothing."""
         return self._listeners
 
     def stats(self) -> FanOutStats:
-        """Frozen counters. Thread-safe."""
+        """Frozen counters. Thread-safe; raises nothing."""
         with self._lock:
             return FanOutStats(self._events, self._errors, self._last_error)
 

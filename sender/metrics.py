@@ -213,7 +213,7 @@ class SenderCollector:
         )
 
     def scrape_errors(self) -> dict[str, int]:
-        """``stats()`` calls that raised during scrapes, by source. Thread-safe."""
+        """``stats()`` calls that raised during scrapes, by source. Thread-safe; raises nothing."""
         with self._lock:
             return dict(self._scrape_errors)
 
@@ -482,7 +482,7 @@ class LatencyHistograms:
     def room_concluded(
         self, room: int, generation: int, outcome: str, code: str, seconds: float
     ) -> None:
-        """Count and time one room conclusion. Thread-safe."""
+        """Count and time one room conclusion. Thread-safe; raises nothing for any values."""
         outcome = outcome if outcome in ROOM_OUTCOMES else _OTHER
         code = code if code in ROOM_CODES else _OTHER
         self.room_outcomes.labels(*self._const, outcome, code).inc()
@@ -491,7 +491,7 @@ class LatencyHistograms:
 
     def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
         """Count and time one chunk end (the session is not a label: unbounded values).
-        Thread-safe."""
+        Thread-safe; raises nothing for any values."""
         outcome = outcome if outcome in CHUNK_OUTCOMES else _OTHER
         if nbytes > 0:
             self.chunk_bytes.labels(*self._const, outcome).inc(nbytes)

@@ -51,7 +51,7 @@ class Console:
 
     def end_status(self) -> None:
         """Leave the status line as it is on screen and end it (a newline); later text is
-        printed below it."""
+        printed below it. Raises: only the stream's own errors."""
         with self._lock:
             if self._status is not None:
                 self._stream.write("\r" + self._status + "\x1b[K\n")
@@ -61,7 +61,8 @@ class Console:
     def write(self, text: str, target: IO[str] | None = None) -> None:
         """Write ``text`` to ``target`` (default: the console's own stream) above the status
         line: the status line is erased first and drawn again after ``text`` if ``text``
-        ended its line (else once the next status is drawn, below it)."""
+        ended its line (else once the next status is drawn, below it). Raises: only the
+        streams' own errors."""
         if not text:
             return
         out = self._stream if target is None else target
@@ -78,7 +79,8 @@ class Console:
                 self._stream.flush()
 
     def line(self, text: str) -> None:
-        """Print ``text`` as one whole line above the status line."""
+        """Print ``text`` as one whole line above the status line. Raises: only the
+        streams' own errors."""
         self.write(text if text.endswith("\n") else text + "\n")
 
 

@@ -337,12 +337,12 @@ class Monitor:
 
     def native_lines(self, lines: NativeLines) -> None:
         """Add NIXL/UCX lines counted elsewhere (e.g. in a child process's own stderr file)
-        to this run's ``ScenarioResult.native``."""
+        to this run's ``ScenarioResult.native``. Thread-safe; raises nothing."""
         with self._lock:
             self._native = merge(self._native, lines)
 
     def reported_native(self) -> NativeLines | None:
-        """What :meth:`native_lines` added up, or ``None``."""
+        """What :meth:`native_lines` added up, or ``None``. Thread-safe; raises nothing."""
         with self._lock:
             return self._native
 

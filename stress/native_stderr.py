@@ -107,7 +107,8 @@ MAX_EXAMPLES = 3
 
 
 def classify(line: str, classes: tuple[LineClass, ...] = CLASSES) -> str | None:
-    """The name of the first class ``line`` matches, or ``None`` (forward it). Pure."""
+    """The name of the first class ``line`` matches, or ``None`` (forward it). Pure;
+    raises nothing."""
     for c in classes:
         if c.pattern.search(line):
             return c.name
@@ -129,7 +130,8 @@ class NativeLines:
 
 def count_lines(text: str, classes: tuple[LineClass, ...] = CLASSES) -> NativeLines:
     """Classify the lines of ``text`` (e.g. a child process's own stderr, read from a file)
-    like :class:`NativeStderr` does; unclassified lines are not counted. Pure."""
+    like :class:`NativeStderr` does; unclassified lines are not counted. Pure; raises
+    nothing."""
     counts: dict[str, int] = {}
     examples: dict[str, list[str]] = {}
     for line in text.splitlines():
@@ -144,7 +146,7 @@ def count_lines(text: str, classes: tuple[LineClass, ...] = CLASSES) -> NativeLi
 
 def merge(a: NativeLines | None, b: NativeLines | None) -> NativeLines | None:
     """``a`` and ``b`` added up (examples: ``a``'s first, up to :data:`MAX_EXAMPLES`);
-    ``None`` only when both are. Pure."""
+    ``None`` only when both are. Pure; raises nothing."""
     if a is None or b is None:
         return a if b is None else b
     counts = dict(a.counts)
@@ -265,7 +267,7 @@ class NativeStderr:
 
     def attach(self, console: Console | None) -> None:
         """Forward lines through ``console`` (a progress line is shown), or straight to the
-        real stderr (``None``)."""
+        real stderr (``None``). Thread-safe; raises nothing."""
         with self._lock:
             self._console = console
 
@@ -286,7 +288,8 @@ class NativeStderr:
             return self._synced.wait_for(lambda: self._seen_syncs >= want, timeout_s)
 
     def take(self) -> NativeLines:
-        """What was counted since the last :meth:`take` (then reset). Thread-safe."""
+        """What was counted since the last :meth:`take` (then reset). Thread-safe; raises
+        nothing."""
         with self._lock:
             counts, examples = self._counts, self._examples
             self._counts, self._examples = {}, {}
