@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 
+from staging._version import __version__
+
+__all__ = ["EXTRA_MODULES", "__version__"]
+
 EXTRA_MODULES = ("torch", "numpy", "nixl")
 """The top-level modules that only the ``sender`` extra installs."""
 

@@ -32,7 +32,6 @@ docs/PROTOCOL.md).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -56,13 +55,26 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
+from sender._peer_args import HOST as _HOST
+from sender._peer_args import is_ipv4 as _is_ipv4
+from sender._peer_args import parse_args
+
+if __name__ == "__main__":
+    # `python -m sender.peer`: the arguments are checked before numpy, NIXL and torch load
+    # (2-4 s), so --help and bad arguments answer at once; main() parses them again.
+    parse_args(sys.argv[1:])
+
 import numpy as np
 import numpy.typing as npt
 
 from sender import _nixl
 from sender.errors import TransportClosedError, TransportParamError
 from sender.notices import NoticeError, decode_notice, is_notice
-from sender.transport import DEFAULT_PROGRESS_DELAY_US, NixlTransport, PageIndices
+from sender.transport import (
+    DEFAULT_PROGRESS_DELAY_US,
+    NixlTransport,
+    PageIndices,
+)
 
 if TYPE_CHECKING:  # imported lazily: a CPU peer process starts ~2 s faster without torch
     import torch
@@ -87,7 +99,6 @@ DEFAULT_NOTIF_INTERVAL_S = 0.001
 DEFAULT_NOTIF_IDLE_INTERVAL_S = 0.01
 _IDLE_AFTER_S = 0.1
 _FRAME = struct.Struct(">I")
-_HOST = "127.0.0.1"
 # Control-channel limits (docs/PROTOCOL.md). Requests carry no body; their header is a small
 # JSON object, plus a list of page indices for the page commands (see _request_limits).
 _SMALL_HEADER = 256
@@ -342,8 +353,18 @@ class DecodePeer:
     def metadata(self) -> bytes:
         """Metadata to pass to a sender's ``NixlTransport.add_peer``.
 
-        Thread-safety: safe from any thread (immutable after construction).
+        Thread-safety: safe from any thread (reads ``_closed`` under ``_cond``).
+
+        Raises:
+            TransportClosedError: the peer is closed: its agent and pool are gone, and a
+                sender given the old metadata would write into deregistered memory.
         """
+        with self._cond:
+            if self._closed:
+                raise TransportClosedError(
+                    f"decode peer {self.name!r} is closed: its metadata is stale "
+                    "(its agent and KV pool are gone)"
+                )
         return self._metadata
 
     # ------------------------------------------------------------------ notifications
@@ -1051,67 +1072,14 @@ def _pages_arg(req: dict[str, Any], peer: DecodePeer) -> list[int]:
     return pages
 
 
-def _is_ipv4(text: str) -> bool:
-    """True for a dotted-quad IPv4 address."""
-    try:
-        socket.inet_pton(socket.AF_INET, text)
-    except OSError:
-        return False
-    return True
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m sender.peer``; returns the exit status."""
-    ap = argparse.ArgumentParser(
-        prog="python -m sender.peer",
-        description=(
-            "Run a decode peer: a KV pool registered with NIXL that remote senders write "
-            f"into. Once ready it prints one line, 'LISTENING {_HOST}:<port>', on stdout "
-            "(its control channel); everything else goes to stderr. SIGTERM/SIGINT stop it."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    ap.add_argument(
-        "--listen",
-        default=f"{_HOST}:0",
-        help=f"ADDR:PORT of the control channel (0 = any free port); ADDR must be {_HOST} "
-        "unless --allow-host names it",
-    )
-    ap.add_argument(
-        "--allow-host",
-        default=None,
-        metavar="ADDR",
-        help="also allow this local IPv4 address for --listen (e.g. the peer's address in its "
-        "own network namespace); the control channel is then reachable wherever ADDR is",
-    )
-    ap.add_argument("--pages", type=_positive_int, required=True, help="pages in the KV pool")
-    ap.add_argument(
-        "--page-bytes", type=_positive_int, required=True, help="bytes per KV page"
-    )
-    ap.add_argument("--name", default=None, help="NIXL agent name (default: unique)")
-    ap.add_argument("--device", default="cpu", help="torch device of the pool: cpu or cuda[:N]")
-    ap.add_argument(
-        "--parent-pid", type=int, default=0, help="exit when this process is gone (0 = never)"
-    )
-    args = ap.parse_args(argv)
-    host, _, port_s = args.listen.rpartition(":")
-    if args.allow_host is not None and not _is_ipv4(args.allow_host):
-        ap.error(f"--allow-host: not an IPv4 address: {args.allow_host!r}")
-    if host != _HOST and host != args.allow_host:
-        ap.error(f"--listen: only {_HOST} (or the address given to --allow-host) may be used")
-    if not port_s.isdigit() or int(port_s) > 65535:
-        ap.error(f"--listen: bad port {port_s!r}")
+    """Entry point of ``python -m sender.peer``; returns the exit status.
+
+    Raises:
+        SystemExit: ``--help`` (status 0) or bad arguments (status 2, one line on stderr).
+    """
+    ap, args = parse_args(argv)
+    host, port_s = args.host, str(args.port)
     if args.device != "cpu":
         import torch
 

@@ -5,6 +5,7 @@ moving an engine's two bare sets onto it (:class:`CompatStagingContext` first, t
 :class:`StagingContext` with handles).
 """
 
+from staging._version import __version__
 from staging.compat import CompatStagingContext, CompatStats
 from staging.context import (
     PrefetchKey,
@@ -29,6 +30,7 @@ from staging.errors import (
 from staging.locks import LockLevel, LockStats, MutexLock, RWLock, StagingLock, make_lock
 
 __all__ = [
+    "__version__",
     "CompatStagingContext",
     "CompatStats",
     "LockError",

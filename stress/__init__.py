@@ -39,12 +39,27 @@ A shared vocabulary in :mod:`stress.invariants`: ``no-escaped-exception``,
 :mod:`stress.linearizability`). A scenario may add its own names; give each a report line
 with :func:`stress.invariants.describe`.
 
+Reports
+-------
+After the runs: a summary table (one row per scenario: ``PASS``, ``FAIL`` or ``SKIP``; a
+skipped scenario, e.g. ``two-hosts`` without root, is listed with its reason and checked
+nothing), the NIXL/UCX lines native code wrote to fd 2, counted by class
+(:mod:`stress.native_stderr`; ``--native-stderr show`` prints them too), and the invariant
+table, whose first violations carry the tracebacks of escaped exceptions. Rates are per
+second of a scenario's run window (``run s``: after its set-up; ``wall s`` is the whole).
+On a FAIL the last line is the command that replays it (same seed and options). The seed
+fixes every worker's plan (``StressConfig.rng``), not the thread schedule: a replay makes
+the same choices, not the same interleavings or op counts. ``--json`` writes all of it.
+Exit status: 0, 1 on a FAIL, 2 for bad arguments, 3 under ``--require-all`` when a
+scenario was skipped.
+
 Linearizability
 ---------------
 :mod:`stress.linearizability` records operation histories from real threads and checks them
 (Wing & Gong search with memoisation) against a sequential model of ``StagingContext``.
 """
 
+from staging._version import __version__
 from stress.framework import (
     InvariantReport,
     Monitor,
@@ -61,6 +76,7 @@ from stress.framework import (
 )
 
 __all__ = [
+    "__version__",
     "InvariantReport",
     "Monitor",
     "Scenario",

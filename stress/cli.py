@@ -1,7 +1,15 @@
 """``python -m stress``: run the registered stress scenarios and report every invariant.
 
-Exit status: 0 if every invariant of every scenario held, 1 otherwise, 2 for bad arguments.
-The first line printed is always ``seed: N``; ``--seed N`` replays the same per-thread plan.
+Exit status: 0 if every invariant of every scenario that ran held, 1 otherwise, 2 for bad
+arguments, 3 with ``--require-all`` when a scenario was skipped (it could not run here, e.g.
+``two-hosts`` without root, or a missing extra). Without ``--require-all`` a skipped scenario
+is reported ``SKIP`` with its reason and does not change the exit status.
+
+The first line printed is always ``seed: N``. ``--seed N`` replays the same *plan*: every
+worker's random choices (``StressConfig.rng``). It does not fix the thread schedule, which
+the OS and the GIL decide, so two runs with one seed do different numbers of operations
+(e.g. 97,280 and 68,342) and may interleave differently. On a FAIL the report ends with the
+exact command line that replays the failed scenarios with the same seed and options.
 
 Test-only: the hidden option ``--plant-bug NAME`` asks scenarios to swap in a deliberate bug
 (``staging-race`` knows ``resurrect``) so that tests can check a violation makes the exit
@@ -24,9 +32,20 @@ from stress.framework import (
     missing_extra,
     registered,
     run_scenario,
+    skipped_result,
     skipped_scenarios,
 )
-from stress.report import invariant_table, summary_table, write_json
+from stress.native_stderr import NativeStderr
+from stress.report import (
+    invariant_table,
+    native_table,
+    replay_command,
+    summary_table,
+    write_json,
+)
+
+EXIT_SKIPPED = 3
+"""Exit status under ``--require-all`` when a scenario was skipped (and none failed)."""
 
 
 def _positive_int(text: str) -> int:
@@ -109,7 +128,12 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
     parser.add_argument(
         "--duration", type=_positive_float, default=None, help="seconds per scenario"
     )
-    parser.add_argument("--seed", type=_seed, default=None, help="replay a plan")
+    parser.add_argument(
+        "--seed", type=_seed, default=None,
+        help="fixes each worker's plan (its random choices), not the thread schedule: a run "
+        "with the same seed makes the same choices but its op counts and interleavings "
+        "differ (default: a random seed, printed first)",
+    )  # fmt: skip
     parser.add_argument(
         "--switch-interval", type=_positive_float, default=d.switch_interval,
         help="sys.setswitchinterval during runs",
@@ -130,8 +154,36 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
         "--progress", choices=("auto", "on", "off"), default="auto",
         help="live progress line on stderr (auto: only on a terminal)",
     )  # fmt: skip
+    parser.add_argument(
+        "--native-stderr", choices=("count", "show", "pass"), default="count",
+        help="NIXL/UCX lines written to fd 2: count them by class in the report (count), "
+        "count and print them labelled (show), or leave fd 2 alone (pass)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--require-all", action="store_true",
+        help=f"exit with status {EXIT_SKIPPED} when a scenario is skipped (cannot run here)",
+    )  # fmt: skip
     parser.add_argument("--plant-bug", default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def config_from_args(args: argparse.Namespace, seed: int) -> StressConfig:
+    """The :class:`StressConfig` of parsed arguments (``seed`` already chosen)."""
+    return StressConfig(
+        threads=args.threads,
+        rooms=args.rooms,
+        chunks=args.chunks,
+        fault_rate=args.fault_rate,
+        peer_kill=args.peer_kill,
+        peer_stop=args.peer_stop,
+        duration=args.duration,
+        seed=seed,
+        switch_interval=args.switch_interval,
+        lock=args.lock,
+        quick=args.quick,
+        watchdog_s=args.watchdog,
+        plant_bug=args.plant_bug,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,43 +208,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not chosen:
         chosen, skipped = registered(), skipped_scenarios()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    config = StressConfig(
-        threads=args.threads,
-        rooms=args.rooms,
-        chunks=args.chunks,
-        fault_rate=args.fault_rate,
-        peer_kill=args.peer_kill,
-        peer_stop=args.peer_stop,
-        duration=args.duration,
-        seed=seed,
-        switch_interval=args.switch_interval,
-        lock=args.lock,
-        quick=args.quick,
-        watchdog_s=args.watchdog,
-        plant_bug=args.plant_bug,
-    )
+    config = config_from_args(args, seed)
     print(f"seed: {seed}", flush=True)
     for name, why in skipped.items():
         print(f"note: skipping scenario {name!r}: it {why}", flush=True)
     progress = {"auto": None, "on": True, "off": False}[args.progress]
-    results: list[ScenarioResult] = []
-    for name, scenario in chosen.items():
-        print(
-            f"== {name}: {config.duration_for(scenario):g} s, {config.threads} threads, "
-            f"lock={config.lock}",
-            flush=True,
-        )
-        results.append(run_scenario(scenario, config, progress=progress, hard_exit=True))
+    results: list[ScenarioResult] = [
+        skipped_result(name, why, config) for name, why in skipped.items()
+    ]
+    native = (
+        None if args.native_stderr == "pass" else NativeStderr(show=args.native_stderr == "show")
+    )
+    if native is not None:
+        try:
+            native.start()
+        except OSError as exc:  # e.g. no fd 2: run without the capture
+            print(f"note: NIXL/UCX lines are not counted ({exc})", flush=True)
+            native = None
+    try:
+        for name, scenario in chosen.items():
+            print(
+                f"== {name}: {config.duration_for(scenario):g} s, {config.threads} threads, "
+                f"lock={config.lock}",
+                flush=True,
+            )
+            results.append(
+                run_scenario(scenario, config, progress=progress, hard_exit=True, native=native)
+            )
+    finally:
+        if native is not None:
+            native.stop()
     print()
     print(summary_table(results))
+    native_text = native_table(results)
+    if native_text:
+        print()
+        print(native_text)
     print()
     print(invariant_table(results))
-    ok = all(r.ok for r in results)
+    failed = [r.name for r in results if not r.ok]
+    skips = [r.name for r in results if r.ok and r.skipped is not None]
+    verdict = "FAIL" if failed else "PASS"
+    if skips:
+        verdict += f" ({len(skips)} skipped: {', '.join(skips)})"
     print()
-    print(f"seed: {seed}  result: {'PASS' if ok else 'FAIL'}", flush=True)
+    print(f"seed: {seed}  result: {verdict}", flush=True)
+    if failed:
+        print(f"replay: {replay_command(config, failed)}", flush=True)
+    elif skips and args.require_all:
+        print(f"--require-all: {len(skips)} scenario(s) skipped: exit {EXIT_SKIPPED}", flush=True)
     if args.json:
         write_json(args.json, config, results)
-    return 0 if ok else 1
+    if failed:
+        return 1
+    return EXIT_SKIPPED if skips and args.require_all else 0
 
 
 if __name__ == "__main__":

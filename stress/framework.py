@@ -7,7 +7,10 @@ A run of one scenario (:func:`run_scenario`) does, around ``scenario.run(config,
   ``no-escaped-exception`` (and lock-model errors also under ``lock-order``);
 * starts a watchdog thread that fails the run under ``no-deadlock`` (and dumps every thread's
   stack to stderr) when no progress counter moves for ``config.watchdog_s`` seconds;
-* draws a progress line on stderr when it is a TTY;
+* draws a progress line on stderr when it is a TTY (through a :class:`~stress.console.Console`:
+  other output, Python's or NIXL's, is printed above it and the line is redrawn);
+* with a :class:`~stress.native_stderr.NativeStderr` capture active (the CLI's), counts the
+  NIXL/UCX lines written to fd 2 during the run by class (``ScenarioResult.native``);
 * after the scenario returns, joins every thread started with :meth:`Monitor.spawn` within a
   bound and counts the survivors under ``no-thread-left``.
 """
@@ -28,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Protocol
 
+from stress.console import Console, ConsoleStream
 from stress.invariants import (
     DEADLOCK_ERROR_NAMES,
     LOCK_ERROR_NAMES,
@@ -36,6 +40,7 @@ from stress.invariants import (
     NO_ESCAPED_EXCEPTION,
     NO_THREAD_LEFT,
 )
+from stress.native_stderr import NativeLines, NativeStderr, merge
 
 QUICK_DURATION_S = 2.0
 """Per-scenario duration under ``--quick``."""
@@ -64,7 +69,7 @@ class StressConfig:
     duration: float | None = None
     seed: int = 0
     switch_interval: float = 1e-6
-    lock: str = "rw"
+    lock: str = "mutex"  # the library's default (StagingContext, KVManager)
     quick: bool = False
     watchdog_s: float = 10.0
     plant_bug: str | None = None
@@ -95,11 +100,14 @@ class ScenarioMetrics:
     """What a scenario hands back besides the counters the monitor already holds.
 
     ``lock``: counters of the main lock under test (e.g. ``LockStats`` as a dict), or
-    ``None``. ``extra``: anything scenario-specific worth putting in the JSON.
+    ``None``. ``extra``: anything scenario-specific worth putting in the JSON. ``skipped``:
+    why the scenario could not run here (e.g. it needs root), or ``None``; a skipped
+    scenario is reported ``SKIP`` with this reason, not ``PASS``.
     """
 
     lock: dict[str, JSONValue] | None = None
     extra: dict[str, JSONValue] = field(default_factory=dict)
+    skipped: str | None = None
 
 
 class Scenario(Protocol):
@@ -254,6 +262,9 @@ class InvariantReport:
     name: str
     violations: int
     examples: tuple[str, ...] = ()
+    tracebacks: tuple[str, ...] = ()
+    """Tracebacks of the first escaped exceptions (``no-escaped-exception`` and the
+    invariants an exception counts under), in the order of ``examples``' exceptions."""
 
     @property
     def held(self) -> bool:
@@ -280,17 +291,20 @@ class Monitor:
         self.duration_s = duration_s
         self.watchdog_s = watchdog_s
         self.stop = threading.Event()
-        self.started = time.monotonic()
+        self.created = time.monotonic()  # the set-up's start (restart_clock keeps it)
+        self.started = self.created
         self.deadline = self.started + duration_s
         self.total_rooms: int | None = None
         self._lock = threading.Lock()  # guards the fields below
         self._violations: dict[str, int] = dict.fromkeys(invariants, 0)
         self._examples: dict[str, list[str]] = {name: [] for name in invariants}
+        self._tracebacks: dict[str, list[str]] = {name: [] for name in invariants}
         self._counters: list[WorkerCounters] = []
         self._threads: list[threading.Thread] = []
         self._latencies: list[float] = []
         self._deadlocked = False
         self._reported_alive: set[str] = set()
+        self._native: NativeLines | None = None
 
     # -- counters ----------------------------------------------------------------------
 
@@ -321,22 +335,38 @@ class Monitor:
         with self._lock:
             return list(self._latencies)
 
+    def native_lines(self, lines: NativeLines) -> None:
+        """Add NIXL/UCX lines counted elsewhere (e.g. in a child process's own stderr file)
+        to this run's ``ScenarioResult.native``. Thread-safe; raises nothing."""
+        with self._lock:
+            self._native = merge(self._native, lines)
+
+    def reported_native(self) -> NativeLines | None:
+        """What :meth:`native_lines` added up, or ``None``. Thread-safe; raises nothing."""
+        with self._lock:
+            return self._native
+
     # -- invariants --------------------------------------------------------------------
 
-    def violation(self, invariant: str, detail: str) -> None:
-        """Count one violation of ``invariant`` (keeping the first few details)."""
+    def violation(self, invariant: str, detail: str, *, tb: str | None = None) -> None:
+        """Count one violation of ``invariant`` (keeping the first few details, and the
+        traceback ``tb`` of an exception behind it)."""
         with self._lock:
             self._violations[invariant] = self._violations.get(invariant, 0) + 1
             examples = self._examples.setdefault(invariant, [])
             if len(examples) < MAX_EXAMPLES:
                 examples.append(detail)
+                if tb is not None:
+                    self._tracebacks.setdefault(invariant, []).append(tb)
 
     def exception(self, exc: BaseException, where: str) -> None:
-        """Count an exception that escaped (or would have escaped) a worker."""
+        """Count an exception that escaped (or would have escaped) a worker, with its
+        traceback."""
         detail = f"{where}: {type(exc).__name__}: {exc}"
-        self.violation(NO_ESCAPED_EXCEPTION, detail)
+        tb = format_traceback(exc)
+        self.violation(NO_ESCAPED_EXCEPTION, detail, tb=tb)
         if type(exc).__name__ in LOCK_ERROR_NAMES:
-            self.violation(LOCK_ORDER, detail)
+            self.violation(LOCK_ORDER, detail, tb=tb)
         elif type(exc).__name__ in DEADLOCK_ERROR_NAMES:
             self.deadlock(detail)
 
@@ -355,7 +385,12 @@ class Monitor:
         """Per-invariant outcome, in declaration order (undeclared names after)."""
         with self._lock:
             return tuple(
-                InvariantReport(name, count, tuple(self._examples.get(name, ())))
+                InvariantReport(
+                    name,
+                    count,
+                    tuple(self._examples.get(name, ())),
+                    tuple(self._tracebacks.get(name, ())),
+                )
                 for name, count in self._violations.items()
             )
 
@@ -419,20 +454,43 @@ class Monitor:
 
     # -- progress ----------------------------------------------------------------------
 
-    def progress_line(self) -> str:
-        """One progress line: elapsed bar, ops, rooms (of total), faults, rate."""
+    def progress_line(self, now: float | None = None) -> str:
+        """One progress line: elapsed bar, ops, rooms (of total), faults, rates.
+
+        Until a counter moves the scenario is still setting up (e.g. starting decode peer
+        processes): the line says ``setting up`` with the time so far and shows no bar (a
+        bar would fill with nothing counted). The bar and the time never pass the run's
+        duration; the time spent past it (joins, end-of-run checks) is shown as
+        ``+N.Ns finishing``. Rates are per second of the run so far.
+        """
         ops, rooms, faults = self.totals()
-        elapsed = max(1e-9, time.monotonic() - self.started)
-        frac = min(1.0, elapsed / self.duration_s) if self.duration_s > 0 else 1.0
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            started = self.started
+        elapsed = max(0.0, now - started)
+        if ops == 0 and rooms == 0 and faults == 0:
+            setting_up = max(0.0, now - self.created)
+            return f"[{self.scenario}] setting up {setting_up:.1f}s (nothing counted yet)"
+        duration = self.duration_s
+        shown = min(elapsed, duration) if duration > 0 else elapsed
+        frac = shown / duration if duration > 0 else 1.0
         width = 20
         done = int(frac * width)
         bar = "#" * done + "." * (width - done)
+        over = elapsed - duration
+        tail = f" +{over:.1f}s finishing" if duration > 0 and over >= 0.05 else ""
         rooms_txt = f"{rooms:,}" if self.total_rooms is None else f"{rooms:,}/{self.total_rooms:,}"
+        per_s = max(1e-9, shown)
         return (
-            f"[{self.scenario}] [{bar}] {elapsed:5.1f}/{self.duration_s:.1f}s "
+            f"[{self.scenario}] [{bar}] {shown:5.1f}/{duration:.1f}s{tail} "
             f"ops {ops:,}  rooms {rooms_txt}  faults {faults:,}  "
-            f"{_si(ops / elapsed)} ops/s  {_si(rooms / elapsed)} rooms/s"
+            f"{_si(ops / per_s)} ops/s  {_si(rooms / per_s)} rooms/s"
         )
+
+
+def format_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback as the interpreter prints it (with its chained causes)."""
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
 def dump_stacks(stream: IO[str]) -> None:
@@ -488,11 +546,33 @@ class ScenarioResult:
     lock: dict[str, JSONValue] | None
     invariants: tuple[InvariantReport, ...]
     extra: dict[str, JSONValue] = field(default_factory=dict)
+    run_s: float | None = None
+    """Seconds of the run window: from the scenario's start of work (``Monitor.started``,
+    moved by :meth:`Monitor.restart_clock` past a slow set-up) to the return of its
+    ``run``. The time base of :attr:`ops_per_s` and :attr:`rooms_per_s` (``None``: the
+    wall time ``elapsed_s``, which includes set-up and the end-of-run checks)."""
+    skipped: str | None = None
+    """Why the scenario did not run here, or ``None`` (see :attr:`status`)."""
+    native: NativeLines | None = None
+    """NIXL/UCX lines written to fd 2 during the run, by class (``None``: not captured)."""
 
     @property
     def ok(self) -> bool:
-        """``True`` if every invariant held."""
+        """``True`` if every invariant held (a skipped scenario violated none)."""
         return all(inv.held for inv in self.invariants)
+
+    @property
+    def status(self) -> str:
+        """``"FAIL"`` if an invariant was violated, else ``"SKIP"`` if the scenario did not
+        run here, else ``"PASS"``."""
+        if not self.ok:
+            return "FAIL"
+        return "SKIP" if self.skipped is not None else "PASS"
+
+    @property
+    def rate_base_s(self) -> float:
+        """The seconds the rates are per: :attr:`run_s`, else :attr:`elapsed_s`."""
+        return self.run_s if self.run_s is not None else self.elapsed_s
 
     @property
     def violations(self) -> int:
@@ -501,26 +581,32 @@ class ScenarioResult:
 
     @property
     def ops_per_s(self) -> float:
-        """Operations per second of wall time."""
-        return self.ops / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        """Operations per second of :attr:`rate_base_s` (the run window)."""
+        base = self.rate_base_s
+        return self.ops / base if base > 0 else 0.0
 
     @property
     def rooms_per_s(self) -> float:
-        """Room lifecycles per second of wall time."""
-        return self.rooms / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        """Room lifecycles per second of :attr:`rate_base_s` (the run window)."""
+        base = self.rate_base_s
+        return self.rooms / base if base > 0 else 0.0
 
     def to_json(self) -> dict[str, JSONValue]:
         """The result as a JSON-ready dict."""
         return {
             "name": self.name,
             "ok": self.ok,
+            "status": self.status,
+            "skipped": self.skipped,
             "seed": self.seed,
             "threads": self.threads,
             "duration_s": self.duration_s,
             "elapsed_s": round(self.elapsed_s, 3),
+            "run_s": None if self.run_s is None else round(self.run_s, 3),
             "ops": self.ops,
             "rooms": self.rooms,
             "faults": self.faults,
+            "rates_per": "run_s" if self.run_s is not None else "elapsed_s",
             "ops_per_s": round(self.ops_per_s, 1),
             "rooms_per_s": round(self.rooms_per_s, 1),
             "latency_p50_ms": self.latency_p50_ms,
@@ -528,8 +614,18 @@ class ScenarioResult:
             "lock": self.lock,
             "violations": self.violations,
             "invariants": {
-                inv.name: {"violations": inv.violations, "examples": list(inv.examples)}
+                inv.name: {
+                    "violations": inv.violations,
+                    "examples": list(inv.examples),
+                    "tracebacks": list(inv.tracebacks),
+                }
                 for inv in self.invariants
+            },
+            "native_stderr": None
+            if self.native is None
+            else {
+                "counts": dict(self.native.counts),
+                "examples": {k: list(v) for k, v in self.native.examples.items()},
             },
             "extra": self.extra,
         }
@@ -581,11 +677,12 @@ class _Watchdog:
 
 
 class _Progress:
-    """Redraws :meth:`Monitor.progress_line` on a TTY every 0.2 s."""
+    """Redraws :meth:`Monitor.progress_line` on a TTY every 0.2 s, as the status line of a
+    :class:`~stress.console.Console` (text printed meanwhile goes above it)."""
 
-    def __init__(self, monitor: Monitor, stream: IO[str]) -> None:
+    def __init__(self, monitor: Monitor, console: Console) -> None:
         self._monitor = monitor
-        self._stream = stream
+        self._console = console
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stress-progress", daemon=True)
 
@@ -596,12 +693,10 @@ class _Progress:
         self._done.set()
         self._thread.join(5.0)
         self._draw()
-        self._stream.write("\n")
-        self._stream.flush()
+        self._console.end_status()
 
     def _draw(self) -> None:
-        self._stream.write("\r" + self._monitor.progress_line() + "\x1b[K")
-        self._stream.flush()
+        self._console.status(self._monitor.progress_line())
 
     def _run(self) -> None:
         while not self._done.wait(0.2):
@@ -615,14 +710,21 @@ def run_scenario(
     progress: bool | None = None,
     hard_exit: bool = False,
     stream: IO[str] | None = None,
+    native: NativeStderr | None = None,
 ) -> ScenarioResult:
     """Run ``scenario`` once under the framework's checks (see the module docstring).
 
-    ``progress=None`` draws the progress line only if ``stream`` (default stderr) is a TTY.
-    ``hard_exit=True`` (the CLI) makes the watchdog ``os._exit(1)`` if the run is still stuck
-    five watchdog periods after a detected stall.
+    ``progress=None`` draws the progress line only if ``stream`` (default stderr) is a TTY;
+    while it is drawn, ``sys.stderr`` (and ``sys.stdout`` when it is a terminal) print
+    through its console. ``hard_exit=True`` (the CLI) makes the watchdog ``os._exit(1)`` if
+    the run is still stuck five watchdog periods after a detected stall. ``native``: an
+    active fd-2 capture whose counts of this run go into ``ScenarioResult.native``.
     """
-    out = stream if stream is not None else sys.stderr
+    capturing = native is not None and native.active
+    if stream is not None:
+        out = stream
+    else:
+        out = native.stderr if native is not None and capturing else sys.stderr
     duration = config.duration_for(scenario)
     monitor = Monitor(
         scenario.name,
@@ -634,7 +736,15 @@ def run_scenario(
     old_switch = sys.getswitchinterval()
     old_hook = threading.excepthook
     watchdog = _Watchdog(monitor, config.watchdog_s, hard_exit)
-    bar = _Progress(monitor, out) if show else None
+    console = Console(out) if show else None
+    bar = _Progress(monitor, console) if console is not None else None
+    old_streams = (sys.stdout, sys.stderr)
+    if console is not None:
+        sys.stderr = ConsoleStream(console, sys.stderr)
+        if _isatty(sys.stdout):
+            sys.stdout = ConsoleStream(console, sys.stdout)
+    if native is not None and capturing:
+        native.attach(console)
     metrics = ScenarioMetrics()
     threading.excepthook = monitor.excepthook
     sys.setswitchinterval(config.switch_interval)
@@ -647,6 +757,7 @@ def run_scenario(
             metrics = scenario.run(config, monitor)
         except Exception as exc:  # a scenario bug or a broken invariant that raised
             monitor.exception(exc, f"{scenario.name}.run")
+        run_s = max(0.0, time.monotonic() - monitor.started)
     finally:
         elapsed = time.perf_counter() - started
         monitor.stop.set()
@@ -654,11 +765,24 @@ def run_scenario(
         watchdog.finish()
         if bar is not None:
             bar.finish()
+        if console is not None:
+            sys.stdout, sys.stderr = old_streams
         sys.setswitchinterval(old_switch)
         threading.excepthook = old_hook
+    lines = monitor.reported_native()
+    if native is not None and capturing:
+        native.sync(1.0)  # what this process wrote to fd 2 so far has been read
+        native.attach(None)
+        lines = merge(native.take(), lines)
     ops, rooms, faults = monitor.totals()
     lat = monitor.latencies()
     p50, p99 = percentile(lat, 50), percentile(lat, 99)
+    skipped = metrics.skipped
+    if skipped is None and isinstance(metrics.extra.get("skipped"), str):
+        skipped = str(metrics.extra["skipped"])
+    invariants = monitor.reports()
+    if skipped is not None and all(inv.held for inv in invariants):
+        invariants = ()  # nothing was checked: no row may read as "held"
     return ScenarioResult(
         name=scenario.name,
         seed=config.seed,
@@ -671,6 +795,36 @@ def run_scenario(
         latency_p50_ms=None if p50 is None else round(p50 * 1e3, 3),
         latency_p99_ms=None if p99 is None else round(p99 * 1e3, 3),
         lock=metrics.lock,
-        invariants=monitor.reports(),
+        invariants=invariants,
         extra=metrics.extra,
+        run_s=None if skipped is not None else run_s,
+        skipped=skipped,
+        native=lines,
+    )
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def skipped_result(name: str, reason: str, config: StressConfig) -> ScenarioResult:
+    """The result of a scenario that could not even be loaded here (e.g. a missing extra):
+    ``SKIP`` with ``reason``, nothing counted, nothing checked."""
+    return ScenarioResult(
+        name=name,
+        seed=config.seed,
+        threads=config.threads,
+        duration_s=0.0,
+        elapsed_s=0.0,
+        ops=0,
+        rooms=0,
+        faults=0,
+        latency_p50_ms=None,
+        latency_p99_ms=None,
+        lock=None,
+        invariants=(),
+        skipped=reason,
     )

@@ -1,13 +1,18 @@
-"""Text tables and the JSON document of a stress run."""
+"""Text tables, the replay command and the JSON document of a stress run."""
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from stress.framework import JSONValue, ScenarioResult, StressConfig
 from stress.invariants import DESCRIPTIONS
+from stress.native_stderr import CLASSES
+
+MEANINGS = {c.name: c.meaning for c in CLASSES}
 
 
 def _table(
@@ -48,29 +53,77 @@ def _contention(result: ScenarioResult) -> str:
     return f"{contended:,}/{acquisitions:,} ({100.0 * contended / acquisitions:.1f}%)"
 
 
+RATE_NOTE = (
+    "rates are per second of 'run s', the run window: from the scenario's start of work "
+    "(after its set-up, e.g. peer start-up) until its run returned (its own end checks "
+    "included); 'wall s' adds the set-up and the framework's final joins"
+)
+
+
+def _row(r: ScenarioResult) -> tuple[str, ...]:
+    if r.skipped is not None and r.ok:
+        return (r.name, *("-" for _ in range(11)), "SKIP")
+    return (
+        r.name,
+        f"{r.rooms:,}",
+        f"{r.ops:,}",
+        f"{r.faults:,}",
+        f"{r.violations:,}",
+        f"{r.rate_base_s:.1f}",
+        f"{r.elapsed_s:.1f}",
+        f"{r.rooms_per_s:,.0f}",
+        f"{r.ops_per_s:,.0f}",
+        _ms(r.latency_p50_ms),
+        _ms(r.latency_p99_ms),
+        _contention(r),
+        r.status,
+    )
+
+
 def summary_table(results: Sequence[ScenarioResult]) -> str:
-    """Per scenario: rooms, ops, faults, violations, rates, lifecycle latency, contention."""
+    """Per scenario: rooms, ops, faults, violations, the run window and wall time, rates
+    (per second of the run window, said below the table), lifecycle latency, contention and
+    the result (``PASS``, ``FAIL``, ``SKIP``; each skip's reason below the table)."""
     header = (
-        "scenario", "rooms", "ops", "faults", "violations", "rooms/s", "ops/s",
-        "p50 ms", "p99 ms", "lock contended/acq", "result",
+        "scenario", "rooms", "ops", "faults", "violations", "run s", "wall s", "rooms/s",
+        "ops/s", "p50 ms", "p99 ms", "lock contended/acq", "result",
     )  # fmt: skip
+    lines = [_table(header, [_row(r) for r in results]), RATE_NOTE]
+    lines += [f"SKIP {r.name}: {r.skipped}" for r in results if r.skipped is not None]
+    return "\n".join(lines)
+
+
+def native_table(results: Sequence[ScenarioResult]) -> str:
+    """The NIXL/UCX lines native code wrote to fd 2 during each scenario, counted by class
+    (one row per class seen, one count column per scenario; ``-`` = not captured), with
+    what each class means, or ``""`` when none was seen. They are expected where peers are
+    killed on purpose; an invariant, not these lines, says whether a run failed."""
+    captured = [r for r in results if r.native is not None]
+    names: list[str] = []
+    for r in captured:
+        assert r.native is not None
+        names += [n for n in r.native.counts if n not in names]
+    if not names:
+        if captured:
+            return "native stderr: no NIXL/UCX line on fd 2"
+        return ""
+    order = [c.name for c in CLASSES]
+    names.sort(key=lambda n: order.index(n) if n in order else len(order))
+    header = ("native stderr line", *(r.name for r in results), "meaning")
     rows = [
         (
-            r.name,
-            f"{r.rooms:,}",
-            f"{r.ops:,}",
-            f"{r.faults:,}",
-            f"{r.violations:,}",
-            f"{r.rooms_per_s:,.0f}",
-            f"{r.ops_per_s:,.0f}",
-            _ms(r.latency_p50_ms),
-            _ms(r.latency_p99_ms),
-            _contention(r),
-            "PASS" if r.ok else "FAIL",
+            name,
+            *("-" if r.native is None else f"{r.native.counts.get(name, 0):,}" for r in results),
+            MEANINGS.get(name, ""),
         )
-        for r in results
+        for name in names
     ]
-    return _table(header, rows)
+    total = sum(r.native.total for r in captured if r.native is not None)
+    text = _table(header, rows, left=(0, -1))
+    return (
+        f"NIXL/UCX lines on fd 2 (counted, not printed; --native-stderr show prints them): "
+        f"{total:,}\n{text}"
+    )
 
 
 def invariant_table(results: Sequence[ScenarioResult]) -> str:
@@ -91,15 +144,58 @@ def invariant_table(results: Sequence[ScenarioResult]) -> str:
         for name in names
     ]
     table = _table(header, rows, left=(0, -1))
-    details = [
-        f"  [{r.name}] {inv.name}: {example}"
-        for r in results
-        for inv in r.invariants
-        for example in inv.examples
-    ]
+    details: list[str] = []
+    for r in results:
+        for inv in r.invariants:
+            details += [f"  [{r.name}] {inv.name}: {example}" for example in inv.examples]
+            for i, tb in enumerate(inv.tracebacks):
+                details.append(f"  [{r.name}] {inv.name}: traceback {i + 1}:")
+                details += ["      " + line for line in tb.splitlines()]
     if details:
         table += "\nfirst violations:\n" + "\n".join(details)
     return table
+
+
+_FLAGS = {
+    "threads": "--threads",
+    "rooms": "--rooms",
+    "chunks": "--chunks",
+    "fault_rate": "--fault-rate",
+    "peer_kill": "--peer-kill",
+    "peer_stop": "--peer-stop",
+    "duration": "--duration",
+    "switch_interval": "--switch-interval",
+    "lock": "--lock",
+    "quick": "--quick",
+    "watchdog_s": "--watchdog",
+    "plant_bug": "--plant-bug",
+}
+"""The CLI option of each :class:`StressConfig` field (``seed`` is always given)."""
+
+
+def replay_argv(config: StressConfig, scenarios: Sequence[str]) -> list[str]:
+    """The ``python -m stress`` arguments that run ``scenarios`` again with ``config``: the
+    seed, and every option whose value differs from the default. The seed fixes each
+    worker's plan (its random choices), not the thread schedule."""
+    default = StressConfig()
+    argv = [*scenarios, "--seed", str(config.seed)]
+    for f in fields(StressConfig):
+        if f.name == "seed":
+            continue
+        value = getattr(config, f.name)
+        if value == getattr(default, f.name):
+            continue
+        flag = _FLAGS[f.name]  # a new field without a flag fails here, in the tests
+        if isinstance(value, bool):
+            argv.append(flag)
+        else:
+            argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return argv
+
+
+def replay_command(config: StressConfig, scenarios: Sequence[str]) -> str:
+    """:func:`replay_argv` as one shell command line (``python -m stress ...``)."""
+    return shlex.join(["python", "-m", "stress", *replay_argv(config, scenarios)])
 
 
 def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[str, JSONValue]:
@@ -109,12 +205,21 @@ def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[st
         for inv in r.invariants:
             before = totals.get(inv.name, 0)
             totals[inv.name] = (before if isinstance(before, int) else 0) + inv.violations
+    failed = [r.name for r in results if not r.ok]
+    native: dict[str, JSONValue] = {}
+    for r in results:
+        for name, n in (r.native.counts if r.native is not None else {}).items():
+            before = native.get(name, 0)
+            native[name] = (before if isinstance(before, int) else 0) + n
     return {
         "seed": config.seed,
         "ok": all(r.ok for r in results),
+        "skipped": {r.name: r.skipped for r in results if r.skipped is not None},
+        "replay": replay_command(config, failed) if failed else None,
         "config": config.to_json(),
         "scenarios": [r.to_json() for r in results],
         "invariants": totals,
+        "native_stderr": native,
     }
 
 

@@ -85,6 +85,7 @@ from sender.poll import KVPoll
 from staging.context import RoomHandle
 from stress.framework import JSONValue, Monitor, ScenarioMetrics, StressConfig, register
 from stress.invariants import DECODE_PAGE_AUDIT, NO_LEAK, describe
+from stress.native_stderr import NativeLines, count_lines
 from stress.netns import (
     TwoHostLink,
     child_env,
@@ -251,18 +252,31 @@ class TwoHosts:
         reason = unavailable_reason()
         if reason is not None:
             print(f"note: two-hosts skipped: {reason}", file=sys.stderr, flush=True)
-            return ScenarioMetrics(extra={"skipped": reason})
+            return ScenarioMetrics(extra={"skipped": reason}, skipped=reason)
         maker = Plan.quick if config.quick else Plan.full
         bug = config.plant_bug if config.plant_bug in PLANTED_BUGS else None
         plan = maker(seed=config.seed, plant_bug=bug)
         counters = monitor.counters()
+        traffic = threading.Event()
 
         def progress(rooms: int, ops: int, faults: int) -> None:
+            if rooms and not traffic.is_set():
+                # The run window (the rates' time base) starts with the first rooms done,
+                # not with the topology and the peer's start-up.
+                traffic.set()
+                monitor.restart_clock()
             counters.rooms, counters.ops, counters.faults = rooms, ops, faults
 
         limit = max(120.0, 6 * monitor.duration_s)
         result = run_two_hosts(plan, timeout_s=limit, on_progress=progress)
         relay_violations(result, monitor)
+        child_native = result.get("native_stderr") or {}
+        monitor.native_lines(
+            NativeLines(
+                {str(k): int(v) for k, v in child_native.get("counts", {}).items()},
+                {str(k): tuple(v) for k, v in child_native.get("examples", {}).items()},
+            )
+        )
         print(format_phases(result), flush=True)
         return ScenarioMetrics(extra=summary(result))
 
@@ -291,11 +305,18 @@ def format_phases(result: dict[str, Any]) -> str:
             return f"{v:.0f}" if abs(v) >= 10 else f"{v:.1f}"
         return str(v)
 
+    skip = ("baseline", "notices")
+    phases = [ph for ph in result.get("phases", []) if ph.get("kind") not in skip]
+    # "in flight" = "failed" + "ok" (+ "other"): every room in flight at the fault is in
+    # exactly one column. "ok": it succeeded, its bytes were through before the fault.
+    with_other = any(_in_flight_split(ph)[2] for ph in phases)
     head = [
         "fault",
         "rate",
         "in flight",
         "failed",
+        "ok",
+        *(["other"] if with_other else []),
         "fault->Failed ms",
         "goal ms",
         "goal",
@@ -309,9 +330,8 @@ def format_phases(result: dict[str, Any]) -> str:
         "canary",
     ]
     rows = [head]
-    for ph in result.get("phases", []):
-        if ph.get("kind") in ("baseline", "notices"):
-            continue
+    for ph in phases:
+        failed, ok, other = _in_flight_split(ph)
         c = ph.get("canary") or {}
         canary = "-"
         if c:
@@ -327,7 +347,9 @@ def format_phases(result: dict[str, Any]) -> str:
                 ph["kind"],
                 f"{ph.get('rate_bit', 0) / 1e9:g}G",
                 cell(ph["in_flight"]),
-                cell(ph["in_flight_failed"]),
+                cell(failed),
+                cell(ok),
+                *([cell(other)] if with_other else []),
                 cell(ph["fault_to_failed_ms_max"]),
                 cell(ph["goal_ms"]),
                 cell(ph["goal_met"]),
@@ -358,6 +380,16 @@ def format_phases(result: dict[str, Any]) -> str:
     if result.get("skipped"):
         lines = [f"two-hosts skipped: {result['skipped']}"]
     return "\n".join(lines)
+
+
+def _in_flight_split(ph: dict[str, Any]) -> tuple[int, int, int]:
+    """``(failed, succeeded, other)`` of a phase's rooms in flight at the fault; ``other``
+    is whatever neither failed nor succeeded (none expected), so the three add up to
+    ``in_flight``."""
+    total = int(ph.get("in_flight", 0))
+    failed = int(ph.get("in_flight_failed", 0))
+    ok = int(ph.get("in_flight_succeeded", 0))
+    return failed, ok, total - failed - ok
 
 
 def summary(result: dict[str, Any]) -> dict[str, JSONValue]:
@@ -434,7 +466,8 @@ def run_two_hosts(
             if proc.stdout is not None:
                 proc.stdout.close()
         err.seek(0)
-        tail = err.read()[-4000:]
+        child_err = err.read()
+        tail = child_err[-4000:]
         if stderr is not None and tail:
             stderr.write(tail)
         left = link.pids_inside()
@@ -445,6 +478,11 @@ def run_two_hosts(
     if left:
         result.setdefault("error", f"processes left in the namespace: {left}")
     result["stderr_tail"] = tail
+    counted = count_lines(child_err)  # the child's NIXL/UCX lines (its own stderr file)
+    result["native_stderr"] = {
+        "counts": dict(counted.counts),
+        "examples": {k: list(v) for k, v in counted.examples.items()},
+    }
     cleanup_stale()  # the child's own names, if it made any and died
     return result
 
@@ -1116,6 +1154,9 @@ class _Child:
             "in_flight": len(in_flight),
             "in_flight_failed": len(failed_at),
             "in_flight_succeeded": sum(o.status is KVPoll.Success for o in in_flight),
+            "in_flight_other": sum(
+                o.status not in (KVPoll.Success, KVPoll.Failed) for o in in_flight
+            ),
             "fault_to_failed_ms_max": ms(max(failed_at, default=math.nan)),
             "fault_to_failed_ms_min": ms(min(failed_at, default=math.nan)),
             "detected_after_ms": ms(None if detected is None else detected - fault_at),

@@ -1,0 +1,181 @@
+"""What a :class:`~sender.manager.KVManager` tells listeners as rooms and chunks conclude.
+
+:class:`ManagerEvents` is the listener protocol; the manager calls it **outside its locks**,
+on whichever thread concluded the room or ended the chunk (the scheduler thread, a transfer
+worker, the notifier). :class:`FanOut` passes each event to several listeners and never
+raises: a listener's error is counted and swallowed, so the manager's threads never see it.
+``sender.metrics.LatencyHistograms`` is a listener that feeds Prometheus histograms; this
+module imports no metrics library.
+
+Values:
+
+* ``room_concluded(room, generation, outcome, code, seconds)``: ``outcome`` is one of
+  :data:`ROOM_OUTCOMES` (``"success"``, ``"failed"``, ``"cleared"``); ``code`` is ``"ok"``
+  for a success, else a room-notice reason code of :func:`sender.notices.code_for`
+  (:data:`sender.notices.CODES`); ``seconds`` runs from the room's opening to its
+  conclusion.
+* ``chunk_ended(session_id, outcome, seconds, nbytes)``: ``outcome`` is one of
+  :data:`CHUNK_OUTCOMES` (``"done"``, ``"failed"``, ``"skipped"``, ``"drained"``, as
+  :class:`~sender.manager.ManagerStats` counts them); ``seconds`` runs from the chunk's start
+  to its end; ``nbytes`` is the chunk's payload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from sender.notices import CODES
+
+__all__ = [
+    "CHUNK_OUTCOMES",
+    "ROOM_CODES",
+    "ROOM_OUTCOMES",
+    "FanOut",
+    "FanOutStats",
+    "ManagerEvents",
+]
+
+logger = logging.getLogger(__name__)
+
+ROOM_OUTCOMES = ("success", "failed", "cleared")
+"""``outcome`` of :meth:`ManagerEvents.room_concluded`."""
+
+ROOM_CODES = ("ok", *CODES)
+"""``code`` of :meth:`ManagerEvents.room_concluded`: ``"ok"`` or a room-notice code."""
+
+CHUNK_OUTCOMES = ("done", "failed", "skipped", "drained")
+"""``outcome`` of :meth:`ManagerEvents.chunk_ended`."""
+
+
+@runtime_checkable
+class ManagerEvents(Protocol):
+    """A listener of a manager's room and chunk conclusions.
+
+    Called outside every lock of the manager, from any of its threads, possibly from
+    several at once: an implementation must be thread-safe and should return quickly (it
+    runs on the thread that concluded the room or ended the chunk). What it raises is the
+    caller's to contain (:class:`FanOut` does).
+    """
+
+    def room_concluded(
+        self, room: int, generation: int, outcome: str, code: str, seconds: float
+    ) -> None:
+        """Opening ``generation`` of ``room`` concluded ``outcome`` (``code`` says why),
+        ``seconds`` after it was opened."""
+        ...
+
+    def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
+        """A chunk of ``nbytes`` to ``session_id`` ended ``outcome``, ``seconds`` after its
+        start."""
+        ...
+
+
+@dataclass(frozen=True)
+class FanOutStats:
+    """Counters of one :class:`FanOut`.
+
+    ``events``: events passed on (each counted once, whatever the number of listeners);
+    ``errors``: listener calls that raised (swallowed); ``last_error``: ``repr`` of the
+    latest such error, or ``None``.
+    """
+
+    events: int
+    errors: int
+    last_error: str | None
+
+
+class FanOut:
+    """Passes every event to each listener in order; never raises.
+
+    A listener that raises is counted (:meth:`stats`), its error logged once per listener at
+    ``WARNING`` on logger ``sender.events`` (with the traceback; later errors of the same
+    listener are counted only), and the next listener still gets the event.
+
+    Thread-safety: safe from any number of threads at once; the listeners are called
+    without any lock held (``_lock`` guards the counters only, never held across a call).
+
+    Args:
+        *listeners: Objects with callable ``room_concluded`` and ``chunk_ended``.
+
+    Raises:
+        TypeError: A listener lacks one of the two methods.
+    """
+
+    def __init__(self, *listeners: ManagerEvents) -> None:
+        for i, listener in enumerate(listeners):
+            missing = [
+                name
+                for name in ("room_concluded", "chunk_ended")
+                if not callable(getattr(listener, name, None))
+            ]
+            if missing:
+                raise TypeError(
+                    f"listener {i} ({type(listener).__name__}) has no callable "
+                    f"{' or '.join(missing)}: not a ManagerEvents"
+                )
+        self._listeners: tuple[ManagerEvents, ...] = tuple(listeners)
+        self._lock = threading.Lock()  # guards the three fields below
+        self._events = 0
+        self._errors = 0
+        self._last_error: str | None = None
+        self._logged: set[int] = set()  # indices of listeners whose first error was logged
+
+    @property
+    def listeners(self) -> tuple[ManagerEvents, ...]:
+        """The listeners, in calling order. Thread-safe (immutable); raises nothing."""
+        return self._listeners
+
+    def stats(self) -> FanOutStats:
+        """Frozen counters. Thread-safe; raises nothing."""
+        with self._lock:
+            return FanOutStats(self._events, self._errors, self._last_error)
+
+    def room_concluded(
+        self, room: int, generation: int, outcome: str, code: str, seconds: float
+    ) -> None:
+        """Pass a room conclusion to every listener. Thread-safe. Raises: nothing."""
+        self._count_event()
+        for i, listener in enumerate(self._listeners):
+            try:
+                listener.room_concluded(room, generation, outcome, code, seconds)
+            except Exception as exc:
+                self._failed(i, listener, exc)
+
+    def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
+        """Pass a chunk end to every listener. Thread-safe. Raises: nothing."""
+        self._count_event()
+        for i, listener in enumerate(self._listeners):
+            try:
+                listener.chunk_ended(session_id, outcome, seconds, nbytes)
+            except Exception as exc:
+                self._failed(i, listener, exc)
+
+    def _count_event(self) -> None:
+        with self._lock:
+            self._events += 1
+
+    def _failed(self, index: int, listener: object, exc: Exception) -> None:
+        try:
+            text = repr(exc)
+        except Exception:  # a broken __repr__ must not escape either
+            text = f"<{type(exc).__name__}>"
+        with self._lock:
+            self._errors += 1
+            self._last_error = text
+            first = index not in self._logged
+            self._logged.add(index)
+        if first:  # logged outside the lock: a handler may be slow or re-enter
+            # A broken logging handler must not reach the manager either.
+            with contextlib.suppress(Exception):
+                logger.warning(
+                    "metrics listener %d (%s) raised %s; its errors are counted and "
+                    "swallowed from now on",
+                    index,
+                    type(listener).__name__,
+                    text,
+                    exc_info=exc,
+                )

@@ -1,0 +1,499 @@
+"""Prometheus metrics of a sender (the optional ``metrics`` extra: ``prometheus-client``).
+
+* :class:`SenderCollector` — a custom collector that reads, at each scrape, the ``stats()``
+  of a :class:`~sender.manager.KVManager`, a :class:`~sender.transport.NixlTransport`, a
+  :class:`~staging.context.StagingContext` (with its lock) and a
+  :class:`~staging.buffers.StagingBufferPool`, any of them optional, and exposes counters
+  (``_total``) and gauges named by Prometheus conventions (base units in names).
+* :class:`LatencyHistograms` — a :class:`~sender.events.ManagerEvents` listener: room latency
+  (open -> conclusion) and chunk latency (start -> end) histograms by outcome, and rooms by
+  outcome and reason code as counters.
+
+Every metric name, label and meaning is listed in docs/METRICS.md. Usage::
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    registry = CollectorRegistry()
+    registry.register(SenderCollector.from_manager(mgr))
+    events = LatencyHistograms(registry)          # pass to the manager as its listener
+    text = generate_latest(registry)              # or prometheus_client.start_http_server
+
+Reading ``stats()`` takes each object's lock for a moment (a read lock where it has one); a
+scrape never calls into NIXL. A source whose ``stats()`` raises (e.g. a transport closed
+under the scrape) is left out of that scrape and counted in
+``nixl_staging_scrape_errors_total{source}``; the scrape itself does not fail.
+
+Importing this module without ``prometheus_client`` raises :class:`ModuleNotFoundError`
+naming the extra.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+except ModuleNotFoundError as _exc:  # the core install and the sender extra lack it
+    raise ModuleNotFoundError(
+        "sender.metrics needs the 'metrics' extra (no module 'prometheus_client'): "
+        "pip install 'nixl-staging[metrics]'",
+        name="prometheus_client",
+    ) from _exc
+
+from sender.events import CHUNK_OUTCOMES, ROOM_CODES, ROOM_OUTCOMES
+
+__all__ = [
+    "CHUNK_BUCKETS_S",
+    "NAMESPACE",
+    "ROOM_BUCKETS_S",
+    "LatencyHistograms",
+    "SenderCollector",
+]
+
+NAMESPACE = "nixl_staging"
+"""Prefix of every metric name."""
+
+ROOM_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+"""Room latency buckets (seconds): a healthy room takes ms, a failed one up to a deadline."""
+
+CHUNK_BUCKETS_S: tuple[float, ...] = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+"""Chunk latency buckets (seconds): a 64 KiB write takes tens of µs here, a hung one its
+transfer deadline (30 s by default)."""
+
+_LABEL_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_OTHER = "other"
+
+
+class _HasStats(Protocol):
+    def stats(self) -> Any: ...
+
+
+def _check_labels(labels: Mapping[str, str] | None, reserved: Iterable[str]) -> dict[str, str]:
+    out = dict(labels or {})
+    taken = set(reserved)
+    for name, value in out.items():
+        if not isinstance(name, str) or not _LABEL_RE.fullmatch(name) or name.startswith("__"):
+            raise ValueError(f"bad Prometheus label name {name!r}")
+        if name in taken:
+            raise ValueError(f"label {name!r} is one of this module's own labels {sorted(taken)}")
+        if not isinstance(value, str):
+            raise TypeError(f"label {name!r}: value must be a str, got {type(value).__name__}")
+    return out
+
+
+def _number(stats: object, field: str) -> float | None:
+    """``stats.field`` as a number, or ``None`` when absent (a field not there yet)."""
+    value = getattr(stats, field, None)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+class _Families:
+    """Builds the metric families of one scrape, with the collector's constant labels."""
+
+    def __init__(self, namespace: str, const: Mapping[str, str]) -> None:
+        self._ns = namespace
+        self._const = dict(const)
+        self.out: dict[str, Metric] = {}
+
+    def _family(self, kind: str, name: str, doc: str, labels: Sequence[str]) -> Metric:
+        full = f"{self._ns}_{name}"
+        family = self.out.get(full)
+        if family is None:
+            names = [*self._const, *labels]
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = cls(full, doc, labels=names)
+            self.out[full] = family
+        return family
+
+    def counter(self, name: str, doc: str, value: float | None, **labels: str) -> None:
+        """One sample of counter ``name`` (without ``_total``); ``None`` adds nothing."""
+        if value is None:
+            return
+        fam = self._family("counter", name, doc, list(labels))
+        fam.add_metric([*self._const.values(), *labels.values()], value)  # type: ignore[attr-defined]
+
+    def gauge(self, name: str, doc: str, value: float | None, **labels: str) -> None:
+        """One sample of gauge ``name``; ``None`` adds nothing."""
+        if value is None:
+            return
+        fam = self._family("gauge", name, doc, list(labels))
+        fam.add_metric([*self._const.values(), *labels.values()], value)  # type: ignore[attr-defined]
+
+
+class SenderCollector:
+    """A Prometheus collector over the ``stats()`` of a sender's parts (see the module doc).
+
+    Args:
+        manager: A ``KVManager`` (``ManagerStats``), or ``None``.
+        transport: A ``NixlTransport`` (``TransportStats``), or ``None``.
+        staging: A ``StagingContext`` (``StagingStats``, its lock's ``LockStats``), or
+            ``None``.
+        pool: A ``StagingBufferPool`` (``PoolStats``), or ``None``.
+        locks: More locks of the model (``staging.locks``: anything whose ``stats()`` is a
+            ``LockStats``) whose acquisitions and contention to expose.
+        labels: Constant labels added to every sample (e.g. ``{"engine": "prefill-0"}``) to
+            tell several senders of one process apart.
+        namespace: Metric name prefix.
+
+    Fields a ``stats()`` does not have (yet) are left out, never reported as 0.
+
+    Thread-safety: ``collect()`` may run on any thread (the scrape's), concurrently with the
+    sender's threads and with another ``collect()``. ``_lock`` guards the scrape-error
+    counts only.
+
+    Raises:
+        TypeError: A source has no callable ``stats``; a label value is not a ``str``.
+        ValueError: A bad label name, or one of this module's own label names.
+    """
+
+    _OWN_LABELS = ("outcome", "code", "result", "component", "lock", "mode", "source")
+
+    def __init__(
+        self,
+        manager: _HasStats | None = None,
+        transport: _HasStats | None = None,
+        staging: _HasStats | None = None,
+        pool: _HasStats | None = None,
+        *,
+        locks: Sequence[_HasStats] = (),
+        labels: Mapping[str, str] | None = None,
+        namespace: str = NAMESPACE,
+    ) -> None:
+        sources = {"manager": manager, "transport": transport, "staging": staging, "pool": pool}
+        for i, lock in enumerate(locks):
+            sources[f"lock[{i}]"] = lock
+        for what, source in sources.items():
+            if source is not None and not callable(getattr(source, "stats", None)):
+                raise TypeError(f"{what}: {type(source).__name__} has no callable stats()")
+        if not _LABEL_RE.fullmatch(namespace):
+            raise ValueError(f"bad metric namespace {namespace!r}")
+        self._manager = manager
+        self._transport = transport
+        self._staging = staging
+        self._pool = pool
+        self._locks = tuple(locks)
+        self._labels = _check_labels(labels, self._OWN_LABELS)
+        self._namespace = namespace
+        self._lock = threading.Lock()  # guards _scrape_errors
+        self._scrape_errors: dict[str, int] = {}
+
+    @classmethod
+    def from_manager(
+        cls,
+        manager: Any,
+        *,
+        labels: Mapping[str, str] | None = None,
+        namespace: str = NAMESPACE,
+    ) -> SenderCollector:
+        """A collector over ``manager`` and the parts it holds: its ``transport``, its
+        ``staging`` context and its ``staging_pool`` (when it has one).
+
+        Raises:
+            TypeError, ValueError: as the constructor.
+        """
+        return cls(
+            manager,
+            getattr(manager, "transport", None),
+            getattr(manager, "staging", None),
+            getattr(manager, "staging_pool", None),
+            labels=labels,
+            namespace=namespace,
+        )
+
+    def scrape_errors(self) -> dict[str, int]:
+        """``stats()`` calls that raised during scrapes, by source. Thread-safe; raises nothing."""
+        with self._lock:
+            return dict(self._scrape_errors)
+
+    def _stats(self, source: _HasStats | None, what: str) -> Any:
+        if source is None:
+            return None
+        try:
+            return source.stats()
+        except Exception:  # a closed/broken source is left out of this scrape, counted
+            with self._lock:
+                self._scrape_errors[what] = self._scrape_errors.get(what, 0) + 1
+            return None
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families of one scrape (called by the registry). Raises: nothing
+        from the sources (a failing ``stats()`` is counted, see :meth:`scrape_errors`)."""
+        f = _Families(self._namespace, self._labels)
+        self._manager_metrics(f, self._stats(self._manager, "manager"))
+        self._transport_metrics(f, self._stats(self._transport, "transport"))
+        staging = self._stats(self._staging, "staging")
+        self._staging_metrics(f, staging)
+        lock_stats = [getattr(staging, "lock", None)] if staging is not None else []
+        lock_stats += [self._stats(lock, f"lock[{i}]") for i, lock in enumerate(self._locks)]
+        self._lock_metrics(f, [s for s in lock_stats if s is not None])
+        self._pool_metrics(f, self._stats(self._pool, "pool"))
+        errors = self.scrape_errors()
+        doc = "stats() calls that raised during a scrape (that source was left out)"
+        f.counter("scrape_errors", doc, 0.0, source="none")  # the family always exists
+        for source, n in sorted(errors.items()):
+            f.counter("scrape_errors", doc, float(n), source=source)
+        yield from f.out.values()
+
+    # ------------------------------------------------------------------ per source
+
+    @staticmethod
+    def _manager_metrics(f: _Families, st: Any) -> None:
+        if st is None:
+            return
+        n = _number
+        f.gauge("rooms_open", "rooms open now (opened, not yet purged)", n(st, "open_rooms"))
+        f.counter("rooms_opened", "rooms opened", n(st, "rooms_opened"))
+        doc = "rooms concluded, by outcome (success, failed, cleared before concluding)"
+        for outcome, field in (
+            ("success", "rooms_succeeded"),
+            ("failed", "rooms_failed"),
+            ("cleared", "rooms_cleared"),
+        ):
+            f.counter("rooms_concluded", doc, n(st, field), outcome=outcome)
+        by_code = getattr(st, "rooms_failed_by_code", None)
+        if isinstance(by_code, Mapping):
+            doc = "failed rooms, by reason code (the room-notice codes of sender.notices)"
+            for code, count in sorted(by_code.items()):
+                if isinstance(count, int) and not isinstance(count, bool):
+                    f.counter("rooms_failed", doc, float(count), code=str(code))
+        f.counter("room_purges", "room purges (clear, abort, failure_exception)", n(st, "purges"))
+        f.counter(
+            "sessions_failed",
+            "decode sessions failed as a whole (peer dead or hung)",
+            n(st, "sessions_failed"),
+        )
+        f.counter("chunks_submitted", "chunks submitted", n(st, "chunks_submitted"))
+        doc = "chunks ended, by outcome (done + failed + skipped + drained = submitted)"
+        for outcome in CHUNK_OUTCOMES:
+            f.counter("chunks_ended", doc, n(st, f"chunks_{outcome}"), outcome=outcome)
+        f.counter(
+            "chunks_released_by_transport",
+            "chunks whose transfer the transport released (peer removed)",
+            n(st, "chunks_released_by_transport"),
+        )
+        f.gauge(
+            "transfers_in_flight",
+            "chunk transfers posted for open rooms, not yet ended",
+            n(st, "transfers_inflight"),
+        )
+        f.gauge(
+            "transfers_draining",
+            "chunk transfers posted for purged rooms, not yet ended (their pages are not free)",
+            n(st, "transfers_draining"),
+        )
+        f.counter(
+            "transfers_abandoned",
+            "hung transfers given up at close",
+            n(st, "transfers_abandoned"),
+        )
+        f.counter(
+            "late_writes_refused",
+            "writes for a purged or reopened room, refused",
+            n(st, "refused_late_writes"),
+            component="manager",
+        )
+        f.counter("worker_errors", "unexpected errors in transfer workers", n(st, "worker_errors"))
+        doc = "room notices to decode sessions, by result"
+        for result, field in (
+            ("sent", "notices_sent"),
+            ("failed", "notices_failed"),
+            ("withheld", "notices_withheld"),
+            ("skipped_dead", "notices_skipped_dead"),
+        ):
+            f.counter("room_notices", doc, n(st, field), result=result)
+        f.counter("posted_bytes", "payload bytes of posted chunks", n(st, "bytes_posted"))
+
+    @staticmethod
+    def _transport_metrics(f: _Families, st: Any) -> None:
+        if st is None:
+            return
+        n = _number
+        f.counter(
+            "transport_transfers_started",
+            "transfers posted to NIXL",
+            n(st, "transfers_started"),
+        )
+        doc = "transfers ended, by outcome"
+        for outcome, field in (
+            ("done", "transfers_done"),
+            ("failed", "transfers_failed"),
+            ("timed_out", "transfers_timed_out"),
+        ):
+            f.counter("transport_transfers_ended", doc, n(st, field), outcome=outcome)
+        f.counter(
+            "transport_transfers_released",
+            "transfer handles released",
+            n(st, "transfers_released"),
+        )
+        f.gauge(
+            "transport_transfers_live",
+            "transfer handles not yet released",
+            n(st, "live_transfers"),
+        )
+        f.counter(
+            "transport_release_refused",
+            "handle releases NIXL refused (active, cannot cancel; retried at close)",
+            n(st, "release_refused"),
+        )
+        f.gauge("transport_peers", "decode peers added", n(st, "peers"))
+        f.gauge("transport_regions", "memory regions registered", n(st, "regions"))
+
+    @staticmethod
+    def _staging_metrics(f: _Families, st: Any) -> None:
+        if st is None:
+            return
+        n = _number
+        f.gauge("context_rooms_open", "staging rooms open", n(st, "open_rooms"))
+        f.gauge("context_rooms_prefetched", "staging rooms prefetched", n(st, "prefetched_rooms"))
+        f.gauge("context_prefetch_keys", "prefetch keys requested", n(st, "requested_keys"))
+        f.counter("context_rooms_opened", "staging rooms opened", n(st, "rooms_opened"))
+        f.counter("context_purges", "staging room purges", n(st, "purges"))
+        f.counter("context_session_purges", "staging session purges", n(st, "session_purges"))
+        f.counter(
+            "late_writes_refused",
+            "writes for a purged or reopened room, refused",
+            n(st, "refused_late_writes"),
+            component="staging",
+        )
+
+    @staticmethod
+    def _lock_metrics(f: _Families, all_stats: Sequence[Any]) -> None:
+        n = _number
+        for st in all_stats:
+            name = str(getattr(st, "name", "?"))
+            doc = "lock acquisitions, by lock and mode"
+            f.counter("lock_acquisitions", doc, n(st, "read_acquisitions"), lock=name, mode="read")
+            f.counter(
+                "lock_acquisitions", doc, n(st, "write_acquisitions"), lock=name, mode="write"
+            )
+            f.counter(
+                "lock_contended",
+                "acquisitions that found the lock busy (measured for mutexes, and for RW "
+                "locks in debug mode; 0 otherwise)",
+                n(st, "contended"),
+                lock=name,
+            )
+            f.counter("lock_timeouts", "lock waits that timed out", n(st, "timeouts"), lock=name)
+
+    @staticmethod
+    def _pool_metrics(f: _Families, st: Any) -> None:
+        if st is None:
+            return
+        n = _number
+        f.gauge("pool_slots", "staging slots in the pool", n(st, "num_slots"))
+        f.gauge("pool_slots_in_use", "staging slots leased now", n(st, "in_use"))
+        f.gauge("pool_slots_free", "staging slots free now", n(st, "free"))
+        f.gauge("pool_owners", "owners holding staging slots now", n(st, "owners"))
+        f.counter("pool_acquisitions", "staging slots leased", n(st, "acquired"))
+        f.counter("pool_releases", "staging slots returned", n(st, "released"))
+        f.counter("pool_exhausted", "lease attempts that found no free slot", n(st, "exhausted"))
+
+
+def _check_buckets(buckets: Sequence[float], what: str) -> tuple[float, ...]:
+    out = tuple(float(b) for b in buckets)
+    if not out or any(not (b > 0 and math.isfinite(b)) for b in out):
+        raise ValueError(f"{what}: want finite bucket bounds > 0, got {buckets!r}")
+    if any(a >= b for a, b in itertools.pairwise(out)):
+        raise ValueError(f"{what}: bucket bounds must increase, got {buckets!r}")
+    return out
+
+
+class LatencyHistograms:
+    """A :class:`~sender.events.ManagerEvents` listener that feeds Prometheus metrics:
+
+    * ``nixl_staging_room_duration_seconds{outcome}`` — open -> conclusion;
+    * ``nixl_staging_chunk_duration_seconds{outcome}`` — chunk start -> end;
+    * ``nixl_staging_room_outcomes_total{outcome,code}`` — rooms by outcome and reason code;
+    * ``nixl_staging_chunk_bytes_total{outcome}`` — chunk payload bytes by outcome.
+
+    An outcome or code outside the documented sets is counted as ``"other"`` (label values
+    stay a small, fixed set); a negative latency counts as 0, a non-finite one is not
+    observed (the counters still count the event).
+
+    Args:
+        registry: Where the metrics are registered (``None``: prometheus_client's default
+            ``REGISTRY``). Two instances cannot share one registry (duplicate names).
+        room_buckets: Room latency bucket bounds, seconds (increasing, > 0).
+        chunk_buckets: Chunk latency bucket bounds, seconds.
+        labels: Constant labels added to every sample (as :class:`SenderCollector`'s).
+        namespace: Metric name prefix.
+
+    Thread-safety: both methods may be called from any number of threads at once
+    (prometheus_client's metrics are thread-safe); they take no lock of the sender.
+
+    Raises:
+        ValueError: Bad buckets or label names, or the names are already registered in
+            ``registry``.
+        TypeError: A label value is not a ``str``.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        room_buckets: Sequence[float] = ROOM_BUCKETS_S,
+        chunk_buckets: Sequence[float] = CHUNK_BUCKETS_S,
+        labels: Mapping[str, str] | None = None,
+        namespace: str = NAMESPACE,
+    ) -> None:
+        reg = REGISTRY if registry is None else registry
+        const = _check_labels(labels, ("outcome", "code"))
+        self._const = tuple(const.values())
+        names = tuple(const)
+        self.room_seconds = Histogram(
+            f"{namespace}_room_duration_seconds",
+            "room latency, from its opening to its conclusion, by outcome",
+            (*names, "outcome"),
+            registry=reg,
+            buckets=_check_buckets(room_buckets, "room_buckets"),
+        )
+        self.chunk_seconds = Histogram(
+            f"{namespace}_chunk_duration_seconds",
+            "chunk latency, from its start to its end, by outcome",
+            (*names, "outcome"),
+            registry=reg,
+            buckets=_check_buckets(chunk_buckets, "chunk_buckets"),
+        )
+        self.room_outcomes = Counter(
+            f"{namespace}_room_outcomes",
+            "rooms concluded, by outcome and reason code (ok for a success)",
+            (*names, "outcome", "code"),
+            registry=reg,
+        )
+        self.chunk_bytes = Counter(
+            f"{namespace}_chunk_bytes",
+            "chunk payload bytes, by how the chunk ended",
+            (*names, "outcome"),
+            registry=reg,
+        )
+
+    def room_concluded(
+        self, room: int, generation: int, outcome: str, code: str, seconds: float
+    ) -> None:
+        """Count and time one room conclusion. Thread-safe; raises nothing for any values."""
+        outcome = outcome if outcome in ROOM_OUTCOMES else _OTHER
+        code = code if code in ROOM_CODES else _OTHER
+        self.room_outcomes.labels(*self._const, outcome, code).inc()
+        if math.isfinite(seconds):
+            self.room_seconds.labels(*self._const, outcome).observe(max(0.0, seconds))
+
+    def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
+        """Count and time one chunk end (the session is not a label: unbounded values).
+        Thread-safe; raises nothing for any values."""
+        outcome = outcome if outcome in CHUNK_OUTCOMES else _OTHER
+        if nbytes > 0:
+            self.chunk_bytes.labels(*self._const, outcome).inc(nbytes)
+        if math.isfinite(seconds):
+            self.chunk_seconds.labels(*self._const, outcome).observe(max(0.0, seconds))
