@@ -90,6 +90,9 @@ class Notifier:
         self._failed = 0
         self._skipped_dead = 0
         self._withheld = 0
+        # The openings whose notices were withheld (abandoned writes at close(): only ever a
+        # close's draining rooms, so small), for checks that judge who was told.
+        self._withheld_handles: set[RoomHandle] = set()
         self._stopped = False
         # --- The queue to the notifier thread (SimpleQueue.put never blocks). ---
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
@@ -150,15 +153,22 @@ class Notifier:
             if self._held.pop(handle, None) is None:
                 return False
             self._withheld += 1
+            self._withheld_handles.add(handle)
             return True
 
     def withhold_all(self) -> int:
         """Drop every held notice (counted as withheld); how many."""
         with self._lock:
             n = len(self._held)
+            self._withheld_handles.update(self._held)
             self._held.clear()
             self._withheld += n
             return n
+
+    def withheld_handles(self) -> frozenset[RoomHandle]:
+        """The openings whose notices were withheld so far (a snapshot)."""
+        with self._lock:
+            return frozenset(self._withheld_handles)
 
     # ------------------------------------------------------------------ the thread
 

@@ -182,6 +182,7 @@ class ChunkPipeline:
                 ends = self._post_all(chunks)
         if chunks is None:
             return 0
+        self._log_posts(chunks)
         if ends:
             self._end_many_safely(ends)
         return len(chunks)
@@ -222,6 +223,7 @@ class ChunkPipeline:
         if not registered:
             self._return_slots(unit)
             return []
+        self._log_posts(unit)
         if ends:
             self._end_many(ends)
         return [c for c in unit if not c.ended]
@@ -269,7 +271,6 @@ class ChunkPipeline:
         that ended at once: nothing to send, the post failed, or the write completed inside
         its post."""
         ends: list[_End] = []
-        debug = logger.isEnabledFor(logging.DEBUG)
         for chunk in chunks:
             if not chunk.num_pages:  # every page is in the decode prefix: nothing to send
                 ends.append((chunk, None, False, False))
@@ -280,17 +281,24 @@ class ChunkPipeline:
                 ends.append((chunk, exc, False, False))
                 continue
             chunk.transfer = transfer
-            if debug:
-                logger.debug(
-                    "room %d gen %d chunk %d -> %r: posted %d pages",
-                    chunk.handle.room, chunk.handle.generation, chunk.chunk_idx,
-                    chunk.session_id, chunk.num_pages,
-                )
             # Our own transfers say whether they completed inside the post (other transfer
             # types, e.g. fault injectors, are asked by a poll as usual).
             if type(transfer) is Transfer and transfer.done:
                 ends.append((chunk, None, False, False))
         return ends
+
+    @staticmethod
+    def _log_posts(chunks: Sequence[Chunk]) -> None:
+        """DEBUG lines for the posts of a unit (after its gate is released: never under a
+        lock)."""
+        if logger.isEnabledFor(logging.DEBUG):
+            for chunk in chunks:
+                if chunk.transfer is not None:
+                    logger.debug(
+                        "room %d gen %d chunk %d -> %r: posted %d pages",
+                        chunk.handle.room, chunk.handle.generation, chunk.chunk_idx,
+                        chunk.session_id, chunk.num_pages,
+                    )
 
     def _write(self, chunk: Chunk) -> TransferLike:
         handle = chunk.handle

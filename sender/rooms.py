@@ -29,10 +29,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from sender.chunks import Chunk
 from sender.errors import KVTransferError, TransferFailedError, TransferReleasedError
+from sender.events import ManagerEvents
 from sender.infos import TransferInfo
 from sender.notices import RoomNotice, code_for
 from sender.notifier import Notifier
@@ -43,7 +44,7 @@ from staging.context import RoomHandle, RoomPurge, StagingContext
 from staging.errors import RoomAlreadyOpenError
 from staging.locks import LockLevel, MutexLock, RWLock, make_lock
 
-__all__ = ["COUNTERS", "After", "ManagerPurge", "RoomEntry", "RoomTable"]
+__all__ = ["COUNTERS", "After", "ManagerEvents", "ManagerPurge", "RoomEntry", "RoomTable"]
 
 logger = logging.getLogger("sender.manager")
 
@@ -69,17 +70,6 @@ COUNTERS = (
 
 MAX_ROOMS_LOGGED = 64
 """A session failed as a whole is logged once, naming at most this many of its rooms."""
-
-
-class ManagerEvents(Protocol):
-    """What the room table tells a listener (``KVManager(events=...)``; see
-    :mod:`sender.events` and :mod:`sender.metrics`), always outside its locks."""
-
-    def room_concluded(
-        self, room: int, generation: int, outcome: str, code: str, seconds: float
-    ) -> None: ...
-
-    def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None: ...
 
 
 class After:

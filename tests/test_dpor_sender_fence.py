@@ -260,3 +260,102 @@ def test_planted_unfenced_post_against_failure_exception_is_caught() -> None:
     )
     assert result.property_holds is False, "the explorer missed the post after the report"
     assert "posted after the room's purge returned" in (result.explanation or "")
+
+
+# ------------------------------------------------------------- the batched inline send
+
+
+def _ungated_submit(mgr: KVManager) -> Callable[..., int]:
+    """PLANTED BUG in the batched path: the inline send checks, makes and registers its
+    chunks in one room-lock section, as it should, but without the room's post gate around
+    that section and the posts -- so a purge can run between the registration and the posts
+    and return before them."""
+    rooms, pipeline = mgr.rooms, mgr.pipeline
+
+    def submit(handle: Any, chunk_idx: int, start: int, kv_indices: Any, is_last: bool) -> int:
+        entry = rooms.peek(handle)
+        if entry is None:
+            return 0
+        chunks = rooms.begin_chunk(
+            handle, chunk_idx, start, kv_indices, None, is_last, entry_expected=entry
+        )
+        if not chunks:
+            return 0
+        ends = pipeline._post_all(chunks)
+        if ends:
+            pipeline.end_many(ends)
+        return len(chunks)
+
+    return submit
+
+
+class InlineSendRig:
+    """One room with two decode sessions, inline, no staging pool: thread S sends its only
+    chunk (one gate section registers both sessions' chunks and posts both writes); thread C
+    clears the room from another thread."""
+
+    planted = False
+
+    def __init__(self) -> None:
+        self.transport = FencedTransport()
+        self.kv = torch.zeros((8, PAGE_BYTES), dtype=torch.uint8)
+        self.mgr = KVManager(
+            self.transport, self.kv, num_workers=0, staging=StagingContext(lock="mutex")
+        )
+        if self.planted:
+            self.mgr.pipeline.submit = _ungated_submit(self.mgr)  # type: ignore[method-assign]
+        infos = [make_transfer_info(s, range(4)) for s in ("d0", "d1")]
+        self.sender = NixlKVSender(self.mgr, ROOM, ["d0", "d1"], infos)
+        self.sender.init(4)
+        self.errors: list[BaseException] = []
+
+    def send(self) -> None:
+        try:
+            self.sender.send(np.array([0, 1, 2, 3]))
+            self.sender.poll()
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def clear(self) -> None:
+        try:
+            self.sender.clear()
+        except BaseException as exc:
+            self.errors.append(exc)
+        self.transport.cleared = True
+
+    def holds(self) -> bool:
+        assert self.transport.late_posts == 0, (
+            f"{self.transport.late_posts} write(s) posted after the room's purge returned"
+        )
+        assert not self.errors, f"raised: {self.errors!r}"
+        assert self.mgr.wait_drained(None, 1.0) and self.mgr.draining() == 0
+        assert self.mgr.footprint(ROOM) == (), f"room {ROOM} left in {self.mgr.footprint(ROOM)}"
+        releases = [t.raw_releases for t in self.transport.transfers]
+        assert all(n == 1 for n in releases), f"transfer releases: {releases}"
+        st = self.mgr.stats()
+        ended = st.chunks_done + st.chunks_skipped + st.chunks_failed + st.chunks_drained
+        assert st.chunks_submitted == ended, f"chunks not ended exactly once: {st}"
+        return True
+
+
+class UngatedSendRig(InlineSendRig):
+    planted = True
+
+
+@pytest.mark.usefixtures("frontrun_enabled")
+def test_batched_inline_send_against_clear_one_preemption() -> None:
+    result = _explore(
+        InlineSendRig, [InlineSendRig.send, InlineSendRig.clear], InlineSendRig.holds,
+        "batched inline send vs clear",
+    )
+    assert result.property_holds is True, result.explanation
+
+
+@pytest.mark.usefixtures("frontrun_enabled")
+def test_planted_ungated_batched_send_is_caught() -> None:
+    result = _explore(
+        UngatedSendRig, [InlineSendRig.send, InlineSendRig.clear], InlineSendRig.holds,
+        "planted ungated batched send vs clear",
+    )
+    assert result.property_holds is False, "the explorer missed the post after clear()"
+    assert "posted after the room's purge returned" in (result.explanation or "")

@@ -14,7 +14,6 @@ Skipped, with the reason, where ``prometheus_client`` is not installed.
 
 from __future__ import annotations
 
-import inspect
 import sys
 import threading
 import time
@@ -282,15 +281,13 @@ def test_scrape_after_a_run_with_a_killed_peer_shows_failures_and_latencies(
     peer_factory: Callable[..., Any],
 ) -> None:
     """Rooms to a healthy peer succeed, rooms to a SIGKILLed peer fail; the exposition of
-    one registry (collector + histograms) shows both. Where the manager takes a listener
-    (``events=``), it feeds the histograms itself; until then this test reports each room's
-    conclusion as the manager will (open -> conclusion, the notice code)."""
+    one registry (collector + histograms) shows both; the manager feeds the histograms
+    through its listener (``events=``)."""
     import torch
 
     from sender.errors import TRANSPORT_ERRORS, KVTransferError
     from sender.manager import KVManager, make_transfer_info
     from sender.nixl_sender import NixlKVSender
-    from sender.notices import code_for
     from sender.poll import KVPoll
     from sender.transport import NixlTransport
     from staging.buffers import StagingBufferPool
@@ -301,8 +298,7 @@ def test_scrape_after_a_run_with_a_killed_peer_shows_failures_and_latencies(
     pool = StagingBufferPool(4, 2, page_bytes)
     reg = CollectorRegistry()
     hist = LatencyHistograms(reg)
-    wired = "events" in inspect.signature(KVManager).parameters
-    extra: dict[str, Any] = {"events": FanOut(hist)} if wired else {}
+    extra: dict[str, Any] = {"events": FanOut(hist)}
     outcomes: dict[str, int] = {"success": 0, "failed": 0}
     with NixlTransport("metrics-prefill") as tx:
         tx.register_region("kv", kv, page_bytes)
@@ -313,9 +309,7 @@ def test_scrape_after_a_run_with_a_killed_peer_shows_failures_and_latencies(
             reg.register(SenderCollector.from_manager(mgr))
 
             def room(n: int, session: str) -> None:
-                opened = time.monotonic()
                 s = NixlKVSender(mgr, n, [session], [make_transfer_info(session, range(4))])
-                gen = s.handle.generation
                 s.init(4)
                 s.send([0, 1])
                 s.send([2, 3])
@@ -323,20 +317,13 @@ def test_scrape_after_a_run_with_a_killed_peer_shows_failures_and_latencies(
                 while (state := s.poll()) not in (KVPoll.Success, KVPoll.Failed):
                     assert time.monotonic() < end, f"room {n} never concluded"
                     time.sleep(0.001)
-                seconds = time.monotonic() - opened
                 if state is KVPoll.Success:
                     outcomes["success"] += 1
-                    code, outcome = "ok", "success"
                     s.clear()
                 else:
                     outcomes["failed"] += 1
-                    outcome = "failed"
-                    reason = mgr.failure_records.get(n)
-                    with pytest.raises((KVTransferError, *TRANSPORT_ERRORS)) as info:
+                    with pytest.raises((KVTransferError, *TRANSPORT_ERRORS)):
                         s.failure_exception()
-                    code = code_for(reason, info.value)
-                if not wired:
-                    hist.room_concluded(n, gen, outcome, code, seconds)
                 assert mgr.wait_drained(s.handle, timeout_s=10)
 
             for n in range(4):

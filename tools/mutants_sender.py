@@ -1,6 +1,7 @@
-"""Mutants of the sender (``sender/manager.py``, ``sender/nixl_sender.py``) and of the
-staging purge it relies on: the eight defects of the sender audit put back one at a time,
-plus the lifecycle bugs the audit's mutation run found our checks blind to.
+"""Mutants of the sender (the room table ``sender/rooms.py``, the chunk pipeline
+``sender/pipeline.py``, ``sender/manager.py``, ``sender/nixl_sender.py``) and of the staging
+purge it relies on: the eight defects of the sender audit put back one at a time, plus the
+lifecycle bugs the audit's mutation run found our checks blind to.
 
 Each snippet must match the current source exactly once (``make mutants`` stops with "stale
 mutant" otherwise).
@@ -11,6 +12,8 @@ from __future__ import annotations
 from tools.mutants_spec import Mutant
 
 MANAGER = "sender/manager.py"
+ROOMS = "sender/rooms.py"
+PIPELINE = "sender/pipeline.py"
 REGRESSIONS = "tests/test_audit_regressions.py"
 DPOR = "tests/test_dpor_sender.py"
 DPOR_FENCE = "tests/test_dpor_sender_fence.py"
@@ -22,7 +25,7 @@ SENDER_STRESS = ("sender-audit",)
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="fail-session-keeps-staging-keys",
-        file=MANAGER,
+        file=ROOMS,
         original="""\
             self.staging.purge_session(session_id)
 """,
@@ -39,11 +42,13 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="d1-post-without-recheck",
-        file=MANAGER,
+        file=ROOMS,
         original="""\
-                registered = self._postable(handle, entry, count=True)""",
+            if self.postable_locked(handle, entry, count=True):
+                for chunk in chunks:""",
         replacement="""\
-                registered = True  # MUTANT: liveness checked only before the slot wait""",
+            if True:  # MUTANT: liveness checked only before the slot wait
+                for chunk in chunks:""",
         kind="race",
         description="defect 1: a worker posts a chunk whose room was purged while it waited "
         "for a slot (no re-check at the fence): cross-room page corruption",
@@ -52,13 +57,13 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="d1-purge-without-gate",
-        file=MANAGER,
+        file=ROOMS,
         original="""\
-        with entry.gate.write_untimed(), self._room_lock.write_untimed():
-            if self._rooms.get(room_id) is not entry:  # another purge won""",
+        with entry.gate.write_untimed(), self.lock.write_untimed():
+            if self.rooms.get(room) is not entry:  # another purge won""",
         replacement="""\
-        with self._room_lock.write_untimed():  # MUTANT: purge does not wait for a post
-            if self._rooms.get(room_id) is not entry:  # another purge won""",
+        with self.lock.write_untimed():  # MUTANT: purge does not wait for a post
+            if self.rooms.get(room) is not entry:  # another purge won""",
         kind="race",
         description="defect 1 (fence half): purge_room does not take the room's post gate, so "
         "a post that passed its check lands after clear() returned",
@@ -67,14 +72,12 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="d2-end-without-claim",
-        file=MANAGER,
+        file=PIPELINE,
         original="""\
-        if not inflight.claim():
-            return False
-        job = inflight.job""",
+            if not chunk.claim():
+                continue""",
         replacement="""\
-        inflight.claim()  # MUTANT: whoever sees the end accounts for it
-        job = inflight.job""",
+            chunk.claim()  # MUTANT: whoever sees the end accounts for it""",
         kind="race",
         description="defect 2: a chunk's end is not claimed once: two progress() calls count it "
         "twice and a room reports a false Success",
@@ -83,11 +86,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="d3-transport-release-skips-chunk",
-        file=MANAGER,
+        file=ROOMS,
         original="""\
-            if drained or entry is None or abandoned:""",
+                if drained or entry is None or abandoned:""",
         replacement="""\
-            if drained or entry is None or abandoned or released:  # MUTANT""",
+                if drained or entry is None or abandoned or released:  # MUTANT""",
         kind="lifecycle",
         description="defect 3: a transfer released by the transport is taken for a purge: the "
         "chunk is skipped and its open room stays Transferring forever",
@@ -96,13 +99,13 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="d4-worker-catches-too-little",
-        file=MANAGER,
+        file=PIPELINE,
         original="""\
             except BaseException as exc:  # a worker never dies: the room fails instead
-                self._on_internal_error(job, exc)""",
+                self.rooms.internal_error(unit[0], exc, chunk_ends=False)""",
         replacement="""\
             except (KeyError, ValueError) as exc:  # MUTANT: other errors kill the worker
-                self._on_internal_error(job, exc)""",
+                self.rooms.internal_error(unit[0], exc, chunk_ends=False)""",
         kind="lifecycle",
         description="defect 4: an error raised while a worker handles a transport error "
         "escapes its loop: the worker thread dies and queued chunks are never processed",
@@ -139,13 +142,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="d7-open-room-checks-closed-late",
-        file=MANAGER,
+        file=ROOMS,
         original="""\
-            if self._closing:
-                raise RuntimeError("KVManager is closed")""",
+        with self.lock.write_untimed():
+            self.closing = True
+            return [e.handle for e in self.rooms.values()]""",
         replacement="""\
-            if self._closed.is_set():  # MUTANT: the flag close() sets after its purge
-                raise RuntimeError("KVManager is closed")""",
+        with self.lock.write_untimed():
+            handles = [e.handle for e in self.rooms.values()]
+        self.closing = True  # MUTANT: set after the open rooms were listed
+        return handles""",
         kind="race",
         description="defect 7: open_room checks a flag close() sets after snapshotting the "
         "open rooms: a room opened in between survives close()",
@@ -154,7 +160,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="d8-short-info-accepted",
-        file=MANAGER,
+        file=ROOMS,
         original="""\
             short = entry.num_kv_indices is not None and (""",
         replacement="""\
@@ -167,20 +173,20 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="manager-purge-two-critical-sections",
-        file=MANAGER,
+        file=ROOMS,
         original="""\
-        with entry.gate.write_untimed(), self._room_lock.write_untimed():
-            if self._rooms.get(room_id) is not entry:  # another purge won
-                return ManagerPurge(room_id, False, None, (), None, 0, 0)
-            del self._rooms[room_id]
+        with entry.gate.write_untimed(), self.lock.write_untimed():
+            if self.rooms.get(room) is not entry:  # another purge won
+                return ManagerPurge(room, False, None, (), None, 0, 0)
+            del self.rooms[room]
 """,
         replacement="""\
         with entry.gate.write_untimed():
-            with self._room_lock.write_untimed():
-                if self._rooms.get(room_id) is not entry:  # another purge won
-                    return ManagerPurge(room_id, False, None, (), None, 0, 0)
-                del self._rooms[room_id]
-        with entry.gate.write_untimed(), self._room_lock.write_untimed():  # MUTANT: 2nd one
+            with self.lock.write_untimed():
+                if self.rooms.get(room) is not entry:  # another purge won
+                    return ManagerPurge(room, False, None, (), None, 0, 0)
+                del self.rooms[room]
+        with entry.gate.write_untimed(), self.lock.write_untimed():  # MUTANT: 2nd one
 """,
         kind="race",
         description="KVManager.purge_room in two critical sections: an observer sees the room "
@@ -190,14 +196,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="purge-returns-slots-early",
-        file=MANAGER,
+        file=ROOMS,
         original="""\
             staged = self.staging.purge_room(entry.handle)
 """,
         replacement="""\
             staged = self.staging.purge_room(entry.handle)
-            if self.staging_pool is not None:  # MUTANT: slots back under pending transfers
-                self.staging_pool.release_owner(entry.handle)
+            if self.pool is not None:  # MUTANT: slots back under pending transfers
+                self.pool.release_owner(entry.handle)
 """,
         kind="lifecycle",
         description="purge_room returns the room's staging slots while posted transfers still "

@@ -11,6 +11,7 @@ Test-only ``--plant-bug no-notices`` (every sender scenario): the managers are m
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import random
@@ -61,7 +62,14 @@ ROOMS_CONCLUDED = describe(
 )
 BYTES_VERIFIED = describe("bytes-verified", "every verifiable Success room's bytes match")
 CHUNKS_ONCE = describe(
-    "chunks-once", "every chunk ended once (done+failed+skipped+drained = submitted)"
+    "chunks-once",
+    "every chunk ended once (done+failed+skipped+drained = submitted; each transfer released "
+    "by the manager exactly once)",
+)
+DRAIN_HONEST = describe(
+    "drain-honest",
+    "draining(handle)/wait_drained(handle) answer 0/True only once nothing of the purged "
+    "opening is held: no unreleased transfer, no leased staging slot",
 )
 
 SENDER_INVARIANTS = (
@@ -72,6 +80,7 @@ SENDER_INVARIANTS = (
     DECODE_PAGE_AUDIT,
     DECODE_TOLD,
     CHUNKS_ONCE,
+    DRAIN_HONEST,
     NO_LEAK,
     NO_RESURRECTION,
     LOCK_ORDER,
@@ -196,6 +205,7 @@ class NoticeTracker:
                 "judged",
                 "learnt",
                 "late",
+                "withheld",
                 "missing",
                 "notifier_stuck",
                 "excluded_fault",
@@ -304,6 +314,12 @@ class NoticeTracker:
         notifier's backlog and the peers' progress (:data:`TOLD_STALL_S`,
         :data:`TOLD_QUIET_S`), not fixed. Never raises."""
         st = mgr.stats()
+        notifier = getattr(mgr, "notifier", None)
+        withheld = (
+            {(h.room, h.generation) for h in notifier.withheld_handles()}
+            if notifier is not None and hasattr(notifier, "withheld_handles")
+            else set()
+        )
         with self._lock:
             purged, self._purged = self._purged, []
             opened, self._opened = self._opened, {}
@@ -321,6 +337,9 @@ class NoticeTracker:
                     continue  # opened by another manager, or nothing known of it
                 gen = gen_or_none
                 sessions, opened_at = opened[(p.room, gen)]
+                if (p.room, gen) in withheld:  # close() abandoned its writes: no notice
+                    counts["withheld"] += len(sessions)
+                    continue
                 for sid in sessions:
                     if p.status is KVPoll.Success:
                         success.append((p.room, gen, sid))
@@ -473,16 +492,103 @@ def _pending_notices(mgr: KVManager) -> int:
         return 0
 
 
+class TransferLedger:
+    """Ground truth of the writes a manager made, kept beside it (not asked of it): per room,
+    the transfers it posted and has not released yet; per transfer, how many times it was
+    released. The ``drain-honest`` and ``chunks-once`` checks compare the manager's answers
+    with it.
+
+    Thread-safety: every method may be called from any thread (one plain lock, held only for
+    dict updates).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[int, int] = {}  # guarded by _lock; room -> unreleased transfers
+        self.double_released: list[str] = []  # guarded by _lock
+        self.posted = 0  # guarded by _lock
+
+    def track(self, room: int, transfer: Any) -> _LedgerTransfer:
+        with self._lock:
+            self._live[room] = self._live.get(room, 0) + 1
+            self.posted += 1
+        return _LedgerTransfer(transfer, room, self)
+
+    def released(self, room: int, count: int, what: str) -> None:
+        with self._lock:
+            if count == 1:
+                left = self._live.get(room, 1) - 1
+                if left > 0:
+                    self._live[room] = left
+                else:
+                    self._live.pop(room, None)
+            elif len(self.double_released) < 64:
+                self.double_released.append(f"{what} released {count} times")
+
+    def live_of(self, room: int) -> int:
+        with self._lock:
+            return self._live.get(room, 0)
+
+
+class _LedgerTransfer:
+    """A transfer as the manager sees it: the fault injector's, with ``release()`` counted."""
+
+    __slots__ = ("_count", "_inner", "_ledger", "_room")
+
+    def __init__(self, inner: Any, room: int, ledger: TransferLedger) -> None:
+        self._inner = inner
+        self._room = room
+        self._ledger = ledger
+        self._count = 0
+
+    def poll(self) -> str:
+        return str(self._inner.poll())
+
+    def settled(self) -> bool:
+        settled = getattr(self._inner, "settled", None)
+        return True if settled is None else bool(settled())
+
+    def release(self) -> None:
+        self._count += 1  # only the chunk's one ender calls this (a claim guards it)
+        self._ledger.released(self._room, self._count, repr(self._inner))
+        self._inner.release()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _room_of(notif: bytes | None) -> int | None:
+    """The room id of a chunk's notification ``room=R;chunk=C;last=L``."""
+    if not notif or not notif.startswith(b"room="):
+        return None
+    try:
+        return int(notif[5 : notif.index(b";")])
+    except ValueError:
+        return None
+
+
 class _NoticeClock:
     """The transport a rig's manager sees: the fault injector, with each ``send_notif`` call
-    timed for :class:`NoticeTracker` (everything else is forwarded as is)."""
+    timed for :class:`NoticeTracker` and each write kept in the rig's :class:`TransferLedger`
+    (everything else is forwarded as is)."""
 
-    def __init__(self, inner: FaultInjectingTransport, tracker: NoticeTracker) -> None:
+    def __init__(
+        self,
+        inner: FaultInjectingTransport,
+        tracker: NoticeTracker,
+        ledger: TransferLedger | None = None,
+    ) -> None:
         self._inner = inner
         self._tracker = tracker
+        self._ledger = ledger
 
     def write_pages(self, *args: Any, **kwargs: Any) -> Any:
-        return self._inner.write_pages(*args, **kwargs)
+        transfer = self._inner.write_pages(*args, **kwargs)
+        notif = args[3] if len(args) > 3 else kwargs.get("notif")
+        room = _room_of(notif)
+        if self._ledger is None or room is None:
+            return transfer
+        return self._ledger.track(room, transfer)
 
     def send_notif(self, session_id: str, message: bytes) -> None:
         at = time.monotonic()
@@ -504,6 +610,9 @@ class TrackedManager(KVManager):
 
     def __init__(self, *args: Any, tracker: NoticeTracker, **kwargs: Any) -> None:
         self.tracker = tracker
+        # The openings purged last, for the drain-honest observer (deque appends and
+        # snapshots are atomic).
+        self.recent_purges: collections.deque[RoomHandle] = collections.deque(maxlen=64)
         super().__init__(*args, **kwargs)
 
     def open_room(self, room: int, session_ids: Sequence[str]) -> RoomHandle:
@@ -516,6 +625,9 @@ class TrackedManager(KVManager):
         """:meth:`KVManager.purge_room`, recorded. Raises: as the base class."""
         purge = super().purge_room(room)
         self.tracker.purged(purge, time.monotonic())
+        gen = purge.staging.generation if purge.staging is not None else None
+        if purge.was_open and gen is not None:
+            self.recent_purges.append(RoomHandle(purge.room, gen))
         return purge
 
 
@@ -545,6 +657,9 @@ class SenderRig:
         self.rooms_used: list[int] = []
         self.next_room = 0
         self.notices = NoticeTracker()
+        self.ledger = TransferLedger()
+        self._drain_reported: set[RoomHandle] = set()
+        self._drain_checks = 0
         try:
             self._setup(config, sessions, peer_pages, dict(extra_pools or {}))
         except BaseException:
@@ -596,7 +711,7 @@ class SenderRig:
         to ``self.notices`` (the ``decode-told`` check); under ``--plant-bug no-notices`` it
         sends no room notice."""
         self.mgr = TrackedManager(
-            _NoticeClock(self.injector, self.notices),
+            _NoticeClock(self.injector, self.notices, self.ledger),
             self.kv,
             num_workers=max(1, self.config.threads) if num_workers is None else num_workers,
             staging=staging or StagingContext(lock=self.config.lock, debug=True),
@@ -746,6 +861,7 @@ class SenderRig:
             rng: random.Random = self.config.rng(index)
             while keep_going():
                 time.sleep(REAP_EVERY_S)
+                self.observe_drain(monitor)
                 mgr = self.mgr
                 rooms = list(mgr.request_status)
                 if rooms and rng.random() < REAP_PROBABILITY and mgr.purge_room(
@@ -754,6 +870,44 @@ class SenderRig:
                     self.stats.reaped += 1
 
         return run
+
+    def observe_drain(self, monitor: Monitor) -> None:
+        """``drain-honest``: for the openings purged last, whenever the manager says nothing
+        of one is left (``draining(handle) == 0``, or ``wait_drained(handle, 0)``), the
+        ground truth must agree: no transfer of the room unreleased (the ledger), no slot
+        leased to it (the pool). A purged opening gets no new post or lease (the fence), so
+        what the truth shows after the answer was already held at the answer. Never
+        raises."""
+        mgr = self.mgr
+        recent = getattr(mgr, "recent_purges", None)
+        if not recent:
+            return
+        pool = mgr.staging_pool
+        self._drain_checks += 1
+        ask_wait = self._drain_checks % 4 == 0
+        try:
+            for handle in recent.copy():  # a C-level copy: atomic against appends
+                if handle in self._drain_reported:
+                    continue
+                if ask_wait:
+                    nothing_left = mgr.wait_drained(handle, 0)
+                    how = "wait_drained(handle, 0) was True"
+                else:
+                    nothing_left = mgr.draining(handle) == 0
+                    how = "draining(handle) was 0"
+                if not nothing_left:
+                    continue
+                live = self.ledger.live_of(handle.room)
+                slots = pool.owner_slots(handle) if pool is not None else 0
+                if live or slots:
+                    self._drain_reported.add(handle)
+                    monitor.violation(
+                        DRAIN_HONEST,
+                        f"room {handle.room} gen {handle.generation}: {how} while {live} of its "
+                        f"transfers were unreleased and {slots} staging slots leased to it",
+                    )
+        except Exception as exc:  # draining/wait_drained are documented never to raise
+            monitor.exception(exc, "drain observer")
 
     # ------------------------------------------------------------------ end checks
 
@@ -810,6 +964,9 @@ class SenderRig:
                 f"manager counted {st.chunks_done} chunks done; the transport saw only {done} "
                 "transfers reach DONE",
             )
+        for text in self.ledger.double_released:
+            monitor.violation(CHUNKS_ONCE, f"the manager ended a chunk twice: {text}")
+        self.ledger.double_released.clear()
         drained = getattr(st, "chunks_drained", None)
         if drained is not None:  # every chunk ends exactly once, as one of these four
             ended = st.chunks_done + st.chunks_failed + st.chunks_skipped + drained
