@@ -65,6 +65,7 @@ from bench._harness import (
     pending_result,
     timer_overhead_ns,
 )
+from bench._noop import NoopTransport
 from sender import _nixl
 
 if TYPE_CHECKING:
@@ -243,35 +244,6 @@ class _RowStats:
     by_call_us: dict[str, list[float]] = field(default_factory=dict)
 
 
-class _NoopTransfer:
-    """A transfer that is already done and holds nothing."""
-
-    __slots__ = ()
-
-    def poll(self) -> str:
-        return "DONE"
-
-    def release(self) -> None:
-        return None
-
-
-class _NoopTransport:
-    """A transport that moves nothing: the sender's bookkeeping without NIXL around it."""
-
-    def write_pages(
-        self,
-        session_id: str,
-        src_pages: PageIndices,
-        dst_pages: PageIndices,
-        notif: bytes | None = None,
-        *,
-        src_region: str = "kv",
-        dst_region: str = "kv",
-        timeout_s: float | None = None,
-    ) -> _NoopTransfer:
-        return _NoopTransfer()
-
-
 class _Rig:
     """Prefill transport, staging pool and four inline managers (real NIXL or no-op
     transport, direct or staged path) in front of one decode peer process."""
@@ -297,7 +269,7 @@ class _Rig:
             self.tx.add_peer(SESSION, peer.metadata)
             transports = {
                 "sender": _TimedTransport(self.tx, self.clock),
-                "no-op": _TimedTransport(_NoopTransport(), self.clock),
+                "no-op": _TimedTransport(NoopTransport(), self.clock),
             }
             self.managers: dict[tuple[str, str], KVManager] = {
                 (way, path): KVManager(

@@ -1,0 +1,374 @@
+"""Benchmark ``instructions``: the sender's bookkeeping for a fixed room, counted in instructions.
+
+Wall and CPU times move by tens of percent on a shared 2-core machine; an instruction count
+does not (callgrind simulates the program, whatever else runs). This benchmark runs
+:mod:`bench._callgrind_child` under ``valgrind --tool=callgrind`` on the real interpreter
+and reports the instructions (``Ir``) the sender executes per room on the no-op transport
+(:class:`bench._noop.NoopTransport`), next to the same room on a bare ``threading.Lock`` +
+dicts (:class:`bench._bare_room.BareRooms`), so that a regression of a few percent shows.
+
+The room: 8 chunks x 16 pages to 1 decode session (``transfer-share``'s room), inline
+manager, library defaults (mutex room lock, default staging context), debug locks off.
+
+What is counted, and how only the room's work is: the child imports, sets up and warms up
+with callgrind's instrumentation off (``--instr-atstart=no``: ~10x faster than counting
+torch's import); the parent then switches it on (``callgrind_control -i on PID``) and lets
+the child run its windows. Collection is off (``--collect-atstart=no``) except inside
+``closure_fcn`` (``--toggle-collect``), the C function of ``_ctypes`` that calls a Python
+callback: each window is one call of a ctypes callback, so only the windows are counted,
+and ``--dump-after=closure_fcn`` writes each window's count to a file of its own. A window
+that does nothing (``empty``) measures the callback's own cost, subtracted from the others.
+This was chosen over subtracting a whole run that does no room: that subtracts two counts of
+hundreds of millions (imports, set-up) to find about a million per room, and the set-up's
+own run-to-run variation would show in the difference.
+
+Every count is taken with ``PYTHONHASHSEED=0`` and the cyclic GC disabled inside the windows
+(a collection belongs to no room). The full preset runs the child twice *at the same time*
+(each beside the other, on 2 cores) and reports the spread between the two; ``--quick``
+skips this benchmark (a run takes a minute or more: ``make bench-instructions``).
+
+Skipped with a clear message where valgrind or ``callgrind_control`` is missing, off Linux,
+or when ``sys.executable`` is not an ELF binary (a shell shim, e.g. pyenv's: valgrind would
+count the shell).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench._callgrind_child import STEPS, WINDOWS
+from bench._harness import (
+    BenchResult,
+    Cell,
+    Goal,
+    JSONValue,
+    Ratio,
+    pending_result,
+    skipped_result,
+)
+
+NAME = "instructions"
+TITLE = "Instructions per room of the sender's bookkeeping (callgrind, no-op transport)"
+
+CHUNKS = 8
+PAGES = 16
+SESSIONS = 1
+TOGGLE = "closure_fcn"
+"""The C function (``_ctypes``) whose activations are counted: a ctypes callback's entry."""
+REFERENCE = "reference"
+READY_TIMEOUT_S = 900.0
+"""Bound on the child's uninstrumented start (imports torch under valgrind: ~30-60 s)."""
+RUN_TIMEOUT_S = 900.0
+"""Bound on the instrumented windows."""
+_TOTALS = re.compile(rb"^(?:totals|summary):\s*(\d+)", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Effort: ``rooms`` per window, ``runs`` child processes (run at the same time)."""
+
+    rooms: int
+    runs: int
+
+
+FULL = Preset(rooms=32, runs=2)
+
+
+class CallgrindError(RuntimeError):
+    """A callgrind run did not produce the counts (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The programs a run needs."""
+
+    valgrind: str
+    control: str
+    python: str
+
+
+def find_tools() -> Tools | str:
+    """The tools, or why this benchmark cannot run here."""
+    if not sys.platform.startswith("linux"):
+        return f"callgrind counts are taken on Linux only (this is {sys.platform})"
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        return "valgrind not found on PATH (install valgrind; 3.19 is tested)"
+    control = shutil.which("callgrind_control")
+    if control is None:
+        return "callgrind_control not found on PATH (it comes with valgrind)"
+    python = sys.executable
+    real = os.path.realpath(python)
+    try:
+        with open(real, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        return f"cannot read the interpreter {real}: {exc}"
+    if magic != b"\x7fELF":
+        return (
+            f"sys.executable {python} ({real}) is not an ELF binary (a shim?): run with the "
+            "real interpreter, `python -c 'import sys; print(sys.executable)'`"
+        )
+    return Tools(valgrind, control, python)
+
+
+def parse_totals(text: bytes) -> int:
+    """The total event count of one callgrind output file.
+
+    Raises:
+        CallgrindError: the file has no ``totals:``/``summary:`` line.
+    """
+    found = _TOTALS.search(text)
+    if found is None:
+        raise CallgrindError("callgrind output without a totals line")
+    return int(found.group(1))
+
+
+def read_dumps(out_file: Path, count: int) -> list[int]:
+    """Counts of the ``count`` dumps ``--dump-after`` wrote next to ``out_file`` (``.1``,
+    ``.2``, ... in window order).
+
+    Raises:
+        CallgrindError: a dump is missing or unreadable.
+    """
+    counts = []
+    for i in range(1, count + 1):
+        path = out_file.with_name(f"{out_file.name}.{i}")
+        try:
+            counts.append(parse_totals(path.read_bytes()))
+        except OSError as exc:
+            raise CallgrindError(f"dump {i} of {count} missing: {exc}") from exc
+    return counts
+
+
+def _read_line(proc: subprocess.Popen[bytes], deadline: float, what: str) -> str:
+    """One line of the child's stdout, waiting at most until ``deadline``.
+
+    Raises:
+        CallgrindError: the child exited or the deadline passed first.
+    """
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CallgrindError(f"no {what} line from the child in time")
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise CallgrindError(f"the child exited before its {what} line ({buf!r})")
+        buf += chunk
+    return buf.split(b"\n", 1)[0].decode(errors="replace").strip()
+
+
+def run_child(tools: Tools, rooms: int, workdir: Path) -> list[int]:
+    """One callgrind run of the child; the instructions of each of :data:`WINDOWS`.
+
+    Raises:
+        CallgrindError: valgrind, callgrind_control or the child failed (with valgrind's
+            last lines).
+    """
+    out_file = workdir / "callgrind.out"
+    log = workdir / "valgrind.log"
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env.update(
+        PYTHONHASHSEED="0",
+        NIXL_LOG_LEVEL="WARN",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p),
+    )
+    env.pop("NIXL_STAGING_DEBUG_LOCKS", None)
+    cmd = [
+        tools.valgrind,
+        "--tool=callgrind",
+        f"--callgrind-out-file={out_file}",
+        f"--log-file={log}",
+        "--instr-atstart=no",
+        "--collect-atstart=no",
+        f"--toggle-collect={TOGGLE}",
+        f"--dump-after={TOGGLE}",
+        tools.python,
+        "-m",
+        "bench._callgrind_child",
+        "--rooms",
+        str(rooms),
+        "--chunks",
+        str(CHUNKS),
+        "--pages",
+        str(PAGES),
+        "--sessions",
+        str(SESSIONS),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+    )
+    try:
+        assert proc.stdin is not None
+        line = _read_line(proc, time.monotonic() + READY_TIMEOUT_S, "READY")
+        if line != "READY":
+            raise CallgrindError(f"unexpected line from the child: {line!r}")
+        control = subprocess.run(
+            [tools.control, "-i", "on", str(proc.pid)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if control.returncode != 0:
+            raise CallgrindError(
+                f"callgrind_control -i on failed ({control.returncode}): "
+                f"{(control.stdout + control.stderr).strip()[-400:]}"
+            )
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        line = _read_line(proc, time.monotonic() + RUN_TIMEOUT_S, "WINDOWS")
+        if line != "WINDOWS " + ",".join(WINDOWS):
+            raise CallgrindError(f"unexpected windows from the child: {line!r}")
+        code = proc.wait(timeout=RUN_TIMEOUT_S)
+        if code != 0:
+            raise CallgrindError(f"the child exited with {code}")
+        return read_dumps(out_file, len(WINDOWS))
+    except (CallgrindError, subprocess.TimeoutExpired, OSError) as exc:
+        tail = log.read_text(errors="replace")[-1500:] if log.exists() else "(no valgrind log)"
+        raise CallgrindError(f"{exc}; valgrind log ends:\n{tail}") from exc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def measure(preset: Preset) -> BenchResult:
+    """Run the benchmark with an explicit preset (``runs`` children at the same time)."""
+    tools = find_tools()
+    if isinstance(tools, str):
+        return pending_result(NAME, TITLE, tools)
+    with tempfile.TemporaryDirectory(prefix="bench-callgrind-") as tmp:
+        dirs = [Path(tmp) / f"run{i + 1}" for i in range(preset.runs)]
+        for d in dirs:
+            d.mkdir()
+        with ThreadPoolExecutor(max_workers=preset.runs) as pool:
+            futures = [pool.submit(run_child, tools, preset.rooms, d) for d in dirs]
+            counts = [f.result() for f in futures]
+    return report(preset, counts)
+
+
+def per_room(counts: Sequence[int], rooms: int) -> dict[str, float]:
+    """Instructions per room of each window, the empty window's count subtracted."""
+    by_name = dict(zip(WINDOWS, counts, strict=True))
+    empty = by_name["empty"]
+    return {name: (n - empty) / rooms for name, n in by_name.items() if name != "empty"}
+
+
+def report(preset: Preset, counts: Sequence[Sequence[int]]) -> BenchResult:
+    """The result of ``runs`` child runs' window counts (public for the smoke test)."""
+    runs = [per_room(c, preset.rooms) for c in counts]
+    what = {
+        "sender": "room: make_transfer_info, NixlKVSender, init, 8 sends, poll, clear",
+        "sender again": "the same rooms again, same process (drift within a run)",
+        REFERENCE: "the same room on a bare threading.Lock + dicts (bench._bare_room)",
+        "open": "make_transfer_info + NixlKVSender",
+        "init": "init",
+        "send": f"{CHUNKS} sends",
+        "poll": "poll until Success",
+        "clear": "clear",
+    }
+    run_cols = [f"run {i + 1}" for i in range(len(runs))]
+    columns = ["window", *run_cols, "spread %", "per chunk", f"/{REFERENCE}", "what"]
+    rows: list[dict[str, Cell]] = []
+    spreads: dict[str, float] = {}
+    for name in what:
+        values = [r[name] for r in runs]
+        mean = sum(values) / len(values)
+        spread = 100 * (max(values) - min(values)) / mean if mean else 0.0
+        spreads[name] = spread
+        row: dict[str, Cell] = {"window": name}
+        row.update({col: round(v) for col, v in zip(run_cols, values, strict=True)})
+        row.update(
+            {
+                "spread %": f"{spread:.4f}",
+                "per chunk": round(values[0] / CHUNKS),
+                f"/{REFERENCE}": values[0] / runs[0][REFERENCE],
+                "what": what[name],
+            }
+        )
+        rows.append(row)
+    steps = sum(runs[0][s] for s in STEPS)
+    sender = runs[0]["sender"]
+    ratios = [
+        Ratio("sender/reference", sender / runs[0][REFERENCE], "instructions per room"),
+        Ratio("sender again/sender", runs[0]["sender again"] / sender, "drift within a run"),
+        Ratio("steps/sender", steps / sender, "sum of the step windows vs whole rooms"),
+    ]
+    if len(runs) > 1:
+        ratios.append(Ratio("run 2/run 1 sender", runs[1]["sender"] / sender, "repeatability"))
+    worst = max(spreads.values())
+    goals = [
+        Goal(
+            "report only: instructions per room of the sender's bookkeeping (no target; a "
+            "regression of a few percent shows)",
+            None,
+            f"sender {sender:,.0f} Ir/room ({sender / CHUNKS:,.0f} per chunk) = "
+            f"{sender / runs[0][REFERENCE]:.2f}x the Lock + dicts reference; largest spread "
+            f"between runs {worst:.3f} %",
+        )
+    ]
+    notes = [
+        f"instructions (callgrind Ir) per room, {preset.rooms} rooms per window, the empty "
+        f"window ({counts[0][0]:,} Ir: the ctypes callback itself) subtracted; room = "
+        f"{CHUNKS} chunks x {PAGES} pages, {SESSIONS} session, no-op transport, inline manager",
+        f"counted only inside {TOGGLE} (a ctypes callback per window), instrumentation "
+        "switched on after the set-up (callgrind_control -i on), PYTHONHASHSEED=0, GC off in "
+        "the windows; step windows run the rooms in flight together (open all, then init "
+        "all, ...)",
+        f"{len(runs)} child runs at the same time; spread % = (max - min) / mean over runs",
+    ]
+    params: dict[str, JSONValue] = {
+        "rooms_per_window": preset.rooms,
+        "runs": preset.runs,
+        "chunks": CHUNKS,
+        "pages_per_chunk": PAGES,
+        "sessions": SESSIONS,
+        "toggle": TOGGLE,
+    }
+    samples = {name: [r[name] for r in runs] for name in what}
+    raw: list[JSONValue] = [list(c) for c in counts]
+    return BenchResult(
+        name=NAME,
+        title=TITLE,
+        columns=columns,
+        rows=rows,
+        ratios=ratios,
+        goals=goals,
+        notes=notes,
+        params=params,
+        samples=samples,
+        extra={"window_counts": raw, "windows": list(WINDOWS)},
+        ratios_title="ratios (of run 1's counts; counts have no rounds)",
+    )
+
+
+def run(quick: bool) -> BenchResult:
+    """The full preset (2 runs at once, ~1-2 min); ``--quick`` skips it."""
+    if quick:
+        return skipped_result(
+            NAME,
+            TITLE,
+            "not part of --quick (a callgrind run takes a minute or more): run "
+            "`python -m bench instructions` or `make bench-instructions`",
+        )
+    return measure(FULL)
