@@ -119,6 +119,25 @@ class Preset:
     writes: int
     warmup: int = 1
 
+    def __post_init__(self) -> None:
+        """Check the sizes.
+
+        Raises:
+            ValueError: a curve's sizes are not increasing ints >= 1, the sessions or rooms
+                curve lacks 1 (the base room is on both), or a count is out of range.
+        """
+        for what, sizes in (("chunks", self.chunks), ("sessions", self.sessions)):
+            if not sizes or min(sizes) < 1 or list(sizes) != sorted(set(sizes)):
+                raise ValueError(f"{what} must be increasing ints >= 1, got {sizes}")
+        if not self.rooms or min(self.rooms) < 1 or list(self.rooms) != sorted(set(self.rooms)):
+            raise ValueError(f"rooms must be increasing ints >= 1, got {self.rooms}")
+        if 1 not in self.sessions or 1 not in self.rooms:
+            raise ValueError("the sessions and rooms curves must include 1 (the base room)")
+        if not self.workers or min(self.workers) < 0:
+            raise ValueError(f"workers must be ints >= 0, got {self.workers}")
+        if self.rounds < 1 or self.writes < 1 or self.warmup < 0:
+            raise ValueError("need rounds >= 1, writes >= 1 and warmup >= 0")
+
 
 FULL = Preset(
     chunks=(1, 8, 32, 128),
@@ -176,14 +195,34 @@ def curve_points(preset: Preset) -> dict[tuple[str, int], list[Shape]]:
     return out
 
 
+def cells(preset: Preset) -> list[tuple[str, Shape]]:
+    """Every measured cell once, as (way, shape): each way at each point of each curve (a
+    point on several curves, and a bare cell that workers do not change, once), and the
+    base room's bare writes without notifications."""
+    out: list[tuple[str, Shape]] = []
+    for shapes in curve_points(preset).values():
+        for shape in shapes:
+            for way in WAYS:
+                key = shape.key(way)
+                if key not in out:
+                    out.append(key)
+    out.append(Shape(BASE_CHUNKS, 1, 1, 0).key(SILENT))
+    return out
+
+
 def _size(axis: str, shape: Shape) -> int:
     return {"chunks": shape.chunks, "sessions": shape.sessions, "rooms": shape.rooms}[axis]
+
+
+def verify_shape(preset: Preset) -> Shape:
+    """The batch checked byte-exact before timing: two base rooms at the widest fan-out."""
+    return Shape(BASE_CHUNKS, max(preset.sessions), 2, max(preset.workers))
 
 
 def peer_pages(preset: Preset) -> int:
     """Destination pages the largest batch needs (every room, session and chunk its own)."""
     shapes = [s for pts in curve_points(preset).values() for s in pts]
-    return max(s.writes for s in shapes) * CHUNK_PAGES
+    return max(s.writes for s in (*shapes, verify_shape(preset))) * CHUNK_PAGES
 
 
 IntArray = npt.NDArray[np.int64]
@@ -357,7 +396,7 @@ class _Rig:
         """
         from sender.driver import page_digests
 
-        shape = Shape(BASE_CHUNKS, self.max_sessions, 2, max(preset.workers))
+        shape = verify_shape(preset)
         dsts = self.dsts(shape)
         want = page_digests(self.kv[np.concatenate([self.src(c) for c in range(shape.chunks)])])
         for way in ("sender", "bare"):
@@ -410,18 +449,7 @@ class _Rig:
         return measure
 
     def cells(self, preset: Preset) -> list[tuple[str, Callable[[], float]]]:
-        out: list[tuple[str, Callable[[], float]]] = []
-        seen: set[tuple[str, Shape]] = set()
-        for shapes in curve_points(preset).values():
-            for shape in shapes:
-                for way in WAYS:
-                    key = shape.key(way)
-                    if key not in seen:
-                        seen.add(key)
-                        out.append((shape.label(way), self.cell(way, key[1], preset)))
-        base = Shape(BASE_CHUNKS, 1, 1, 0)
-        out.append((base.label(SILENT), self.cell(SILENT, base, preset)))
-        return out
+        return [(shape.label(way), self.cell(way, shape, preset)) for way, shape in cells(preset)]
 
 
 def _raise_failed(snd: NixlKVSender) -> None:

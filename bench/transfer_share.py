@@ -89,7 +89,10 @@ PEER_PAGES = 512
 PLANS = 4
 SESSION = "decode-0"
 POLL_INTERVAL_S = 0.0002
-GOAL_SHARE_PCT = 1.0
+GOAL_SHARE_PCT = 5.0
+"""Goal (issue 19): bookkeeping <= this % of a real 8 x 1 MiB room, every layout and path."""
+NEXT_GOAL_SHARE_PCT = 2.0
+"""The goal after that one: <= this %."""
 TORCH_THREADS = 1
 LAYOUTS = ("contiguous", "scattered")
 PATHS = ("direct", "staged")
@@ -524,14 +527,15 @@ def _report(
     detail = ", ".join(
         f"{k} {d:.1f}% (no-op {n:.1f}%, diff {f:.1f}%)" for k, (d, n, f) in shares.items()
     )
-    met = all(direct <= GOAL_SHARE_PCT for direct, _, _ in shares.values())
+    worst = max(direct for direct, _, _ in shares.values())
     goals = [
         Goal(
-            f"bookkeeping <= {GOAL_SHARE_PCT:g} % of a real 8 x 1 MiB room (book %, every "
-            "layout and path)",
-            met,
-            detail,
+            f"bookkeeping <= {pct:g} % of a real 8 x 1 MiB room (book %, every layout and "
+            f"path){' (the next step)' if pct == NEXT_GOAL_SHARE_PCT else ''}",
+            worst <= pct,
+            f"worst {worst:.1f} %: {detail}",
         )
+        for pct in (GOAL_SHARE_PCT, NEXT_GOAL_SHARE_PCT)
     ]
     primary = "contiguous/direct"
 
@@ -553,6 +557,8 @@ def _report(
         "inline manager (num_workers=0), debug locks off, StagingContext lock rw, manager "
         f"lock mutex, torch on {TORCH_THREADS} intra-op thread; timer pairs "
         f"({overhead_ns:.0f} ns each) are not subtracted, so book is a slight overestimate",
+        "the per-chunk goal on the no-op transport (<= 1.0x NIXL's own per-call cost) is "
+        "judged by `python -m bench curves`, which has that anchor",
         f"one room per layout/path verified byte-exact at the peer before timing; peer "
         f"process start {peer_start_s:.1f} s (untimed)",
     ]
