@@ -497,11 +497,23 @@ def _series(
     return _Series([samples[s.label(way)] for s in shapes], [cpu[s.label(way)] for s in shapes])
 
 
-def _growth(sizes: Sequence[int], costs: Sequence[float]) -> tuple[float | None, float | None]:
-    """(fitted exponent, slope of the last step) of per-room cost vs size."""
-    fit = loglog_exponent(sizes, costs)
-    last = loglog_exponent(sizes[-2:], costs[-2:]) if len(sizes) >= 2 else None
-    return fit, last
+def _growth(
+    sizes: Sequence[int], per_point: Sequence[Sequence[float]]
+) -> tuple[float | None, float | None]:
+    """(fitted exponent, slope of the last step) of per-room cost vs size: each the median
+    over rounds of that round's own fit (a round's cells ran close together in time, so
+    slow drift of the machine moves a round's points together)."""
+    rounds = min(len(v) for v in per_point)
+    fits, lasts = [], []
+    for r in range(rounds):
+        costs = [v[r] for v in per_point]
+        fit = loglog_exponent(sizes, costs)
+        last = loglog_exponent(sizes[-2:], costs[-2:])
+        if fit is not None:
+            fits.append(fit)
+        if last is not None:
+            lasts.append(last)
+    return (median(fits) if fits else None, median(lasts) if lasts else None)
 
 
 def _report(
@@ -597,7 +609,7 @@ def _report(
         for way in WAYS:
             series = by_way[way]
             for what, per_point in (("", series.wall), (" cpu", series.cpu)):
-                fit, last = _growth(sizes, [median(v) for v in per_point])
+                fit, last = _growth(sizes, per_point)
                 name = f"{way}{what}"
                 row[name] = fit
                 curve_json[name] = {"fit": fit, "last_step": last}
@@ -680,11 +692,16 @@ def _report(
         "sender's notification bytes + transfer, in the sender's order; then busy polls and "
         "releases) on an agent configured as our transport's, one thread; no-op = the sender "
         "on a transport that moves nothing",
+        f"{SILENT}: the base room's bare writes without notifications (NIXL's own "
+        f"per-call cost, the per-chunk goal's anchor): {median(silent) / BASE_CHUNKS:.1f} µs "
+        f"per write vs {median(samples[base.label('bare')]) / BASE_CHUNKS:.1f} with them (a "
+        "write with a notification stays in progress until its control message is through)",
         f"inline rooms poll back to back; with workers the scheduler pauses "
         f"{WORKER_POLL_S * 1e6:.0f} µs between poll sweeps (so a 1-room batch measures that "
         "step too: read the rooms curve with workers for its growth, not its level)",
-        "exponents: log-log least-squares slope of per-room median cost on the size (1 = "
-        "linear, 0 = flat); last step: the slope between the two largest sizes; "
+        "exponents: log-log least-squares slope of per-room cost on the size (1 = linear, "
+        "0 = flat), fitted per round, median over rounds; last step: the slope between the "
+        "two largest sizes, likewise; "
         "sender/bare column: the same fit of the per-point sender/bare ratio (> 0: the "
         "sender grows faster than NIXL's work)",
         f"sessions: one peer process, each session its own session id and its own pages of "
