@@ -22,8 +22,10 @@ This was chosen over subtracting a whole run that does no room: that subtracts t
 hundreds of millions (imports, set-up) to find about a million per room, and the set-up's
 own run-to-run variation would show in the difference.
 
-Every count is taken with ``PYTHONHASHSEED=0`` and the cyclic GC disabled inside the windows
-(a collection belongs to no room). The full preset runs the child twice *at the same time*
+Every count is taken with ``PYTHONHASHSEED=0``, a fixed environment (:func:`child_env`) and
+the cyclic GC disabled inside the windows (a collection belongs to no room). Runs of one
+checkout then count exactly alike, beside CPU hogs too; a checkout at another path counts
+up to ~0.2 % differently (memory layout), so compare two trees at the same path. The full preset runs the child twice *at the same time*
 (each beside the other, on 2 cores) and reports the spread between the two; ``--quick``
 skips this benchmark (a run takes a minute or more: ``make bench-instructions``).
 
@@ -175,6 +177,27 @@ def _read_line(proc: subprocess.Popen[bytes], deadline: float, what: str) -> str
     return buf.split(b"\n", 1)[0].decode(errors="replace").strip()
 
 
+def child_env(root: str) -> dict[str, str]:
+    """The child's whole environment: fixed, so that the count does not depend on the
+    caller's shell (``PATH`` is kept: valgrind finds its tools through it).
+
+    What sits in the child's memory moves the count a little: a caller's environment moved
+    it by 0.14 %, and so does the checkout's path (in ``sys.path`` and every module's
+    ``__file__``: a copy of the tree at a longer path counted 0.16 % fewer, a path with the
+    same length but other characters 0.19 % more; measured). Runs of one checkout with this
+    environment count exactly alike; compare two trees at the same path.
+    """
+    return {
+        "PATH": os.environ.get("PATH", os.defpath),
+        "PYTHONPATH": root,
+        "PYTHONHASHSEED": "0",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "NIXL_LOG_LEVEL": "WARN",
+        "OMP_NUM_THREADS": "1",
+        "LC_ALL": "C",
+    }
+
+
 def run_child(tools: Tools, rooms: int, workdir: Path) -> list[int]:
     """One callgrind run of the child; the instructions of each of :data:`WINDOWS`.
 
@@ -185,14 +208,7 @@ def run_child(tools: Tools, rooms: int, workdir: Path) -> list[int]:
     out_file = workdir / "callgrind.out"
     log = workdir / "valgrind.log"
     root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env.update(
-        PYTHONHASHSEED="0",
-        NIXL_LOG_LEVEL="WARN",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p),
-    )
-    env.pop("NIXL_STAGING_DEBUG_LOCKS", None)
+    env = child_env(root)
     cmd = [
         tools.valgrind,
         "--tool=callgrind",
@@ -215,7 +231,12 @@ def run_child(tools: Tools, rooms: int, workdir: Path) -> list[int]:
         str(SESSIONS),
     ]
     proc = subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=root,
     )
     try:
         assert proc.stdin is not None
@@ -335,7 +356,9 @@ def report(preset: Preset, counts: Sequence[Sequence[int]]) -> BenchResult:
         "switched on after the set-up (callgrind_control -i on), PYTHONHASHSEED=0, GC off in "
         "the windows; step windows run the rooms in flight together (open all, then init "
         "all, ...)",
-        f"{len(runs)} child runs at the same time; spread % = (max - min) / mean over runs",
+        f"{len(runs)} child runs at the same time; spread % = (max - min) / mean over runs; "
+        "a checkout at another path counts up to ~0.2 % differently (compare trees at one "
+        "path)",
     ]
     params: dict[str, JSONValue] = {
         "rooms_per_window": preset.rooms,
