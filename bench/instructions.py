@@ -25,9 +25,10 @@ own run-to-run variation would show in the difference.
 Every count is taken with ``PYTHONHASHSEED=0``, a fixed environment (:func:`child_env`) and
 the cyclic GC disabled inside the windows (a collection belongs to no room). Runs of one
 checkout then count exactly alike, beside CPU hogs too; a checkout at another path counts
-up to ~0.2 % differently (memory layout), so compare two trees at the same path. The full preset runs the child twice *at the same time*
-(each beside the other, on 2 cores) and reports the spread between the two; ``--quick``
-skips this benchmark (a run takes a minute or more: ``make bench-instructions``).
+up to ~0.2 % differently (memory layout), so compare two trees at the same path. The full
+preset runs the child twice *at the same time* (each beside the other, on 2 cores) and
+reports the spread between the two; ``--quick`` skips this benchmark (a run takes a minute
+or more: ``make bench-instructions``).
 
 Skipped with a clear message where valgrind or ``callgrind_control`` is missing, off Linux,
 or when ``sys.executable`` is not an ELF binary (a shell shim, e.g. pyenv's: valgrind would
