@@ -50,13 +50,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench._callgrind_child import STEPS, WINDOWS
+from bench._callgrind_child import (
+    BASE_CHUNKS,
+    CHUNK_GROWTH,
+    IN_FLIGHT,
+    SESSION_GROWTH,
+    STEPS,
+    WINDOW_NAMES,
+)
 from bench._harness import (
     BenchResult,
     Cell,
     Goal,
     JSONValue,
     Ratio,
+    Table,
+    loglog_exponent,
     pending_result,
     skipped_result,
 )
@@ -64,9 +73,20 @@ from bench._harness import (
 NAME = "instructions"
 TITLE = "Instructions per room of the sender's bookkeeping (callgrind, no-op transport)"
 
-CHUNKS = 8
+CHUNKS = BASE_CHUNKS
 PAGES = 16
-SESSIONS = 1
+GROWTH_TOL = 0.02
+"""Counts repeat exactly: an exponent above 1 (chunks, sessions) or 0 (rooms in flight) by
+more than this is growth, not noise."""
+CURVES: dict[str, tuple[tuple[int, str], ...]] = {
+    "chunks": ((BASE_CHUNKS, "sender"), *((c, f"chunks {c}") for c in CHUNK_GROWTH)),
+    "sessions": ((1, "sender"), *((n, f"sessions {n}") for n in SESSION_GROWTH)),
+    "rooms in flight": ((1, "sender"), *((b, f"in flight {b}") for b in IN_FLIGHT)),
+}
+"""Curve -> (size, window) points: the base room's window is every curve's first point."""
+
+Window = tuple[str, int, int]
+"""One counted window: (name, rooms, instructions)."""
 TOGGLE = "closure_fcn"
 """The C function (``_ctypes``) whose activations are counted: a ctypes callback's entry."""
 REFERENCE = "reference"
@@ -155,6 +175,23 @@ def read_dumps(out_file: Path, count: int) -> list[int]:
     return counts
 
 
+def parse_windows(line: str) -> list[tuple[str, int]]:
+    """The child's ``WINDOWS name:rooms,...`` line as (name, rooms) pairs.
+
+    Raises:
+        CallgrindError: not such a line, or not the windows this module reports.
+    """
+    if not line.startswith("WINDOWS "):
+        raise CallgrindError(f"unexpected line from the child: {line!r}")
+    try:
+        plan = [(name, int(n)) for name, n in (w.rsplit(":", 1) for w in line[8:].split(","))]
+    except ValueError as exc:
+        raise CallgrindError(f"malformed windows line {line!r}") from exc
+    if tuple(name for name, _ in plan) != WINDOW_NAMES or min(n for _, n in plan) < 1:
+        raise CallgrindError(f"unexpected windows from the child: {line!r}")
+    return plan
+
+
 def _read_line(proc: subprocess.Popen[bytes], deadline: float, what: str) -> str:
     """One line of the child's stdout, waiting at most until ``deadline``.
 
@@ -199,8 +236,8 @@ def child_env(root: str) -> dict[str, str]:
     }
 
 
-def run_child(tools: Tools, rooms: int, workdir: Path) -> list[int]:
-    """One callgrind run of the child; the instructions of each of :data:`WINDOWS`.
+def run_child(tools: Tools, rooms: int, workdir: Path) -> list[Window]:
+    """One callgrind run of the child: each window's name, rooms and instructions.
 
     Raises:
         CallgrindError: valgrind, callgrind_control or the child failed (with valgrind's
@@ -224,12 +261,8 @@ def run_child(tools: Tools, rooms: int, workdir: Path) -> list[int]:
         "bench._callgrind_child",
         "--rooms",
         str(rooms),
-        "--chunks",
-        str(CHUNKS),
         "--pages",
         str(PAGES),
-        "--sessions",
-        str(SESSIONS),
     ]
     proc = subprocess.Popen(
         cmd,
@@ -259,12 +292,12 @@ def run_child(tools: Tools, rooms: int, workdir: Path) -> list[int]:
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
         line = _read_line(proc, time.monotonic() + RUN_TIMEOUT_S, "WINDOWS")
-        if line != "WINDOWS " + ",".join(WINDOWS):
-            raise CallgrindError(f"unexpected windows from the child: {line!r}")
+        plan = parse_windows(line)
         code = proc.wait(timeout=RUN_TIMEOUT_S)
         if code != 0:
             raise CallgrindError(f"the child exited with {code}")
-        return read_dumps(out_file, len(WINDOWS))
+        counts = read_dumps(out_file, len(plan))
+        return [(name, n, count) for (name, n), count in zip(plan, counts, strict=True)]
     except (CallgrindError, subprocess.TimeoutExpired, OSError) as exc:
         tail = log.read_text(errors="replace")[-1500:] if log.exists() else "(no valgrind log)"
         raise CallgrindError(f"{exc}; valgrind log ends:\n{tail}") from exc
@@ -285,20 +318,29 @@ def measure(preset: Preset) -> BenchResult:
             d.mkdir()
         with ThreadPoolExecutor(max_workers=preset.runs) as pool:
             futures = [pool.submit(run_child, tools, preset.rooms, d) for d in dirs]
-            counts = [f.result() for f in futures]
-    return report(preset, counts)
+            windows = [f.result() for f in futures]
+    return report(preset, windows)
 
 
-def per_room(counts: Sequence[int], rooms: int) -> dict[str, float]:
+def per_room(run: Sequence[Window]) -> dict[str, float]:
     """Instructions per room of each window, the empty window's count subtracted."""
-    by_name = dict(zip(WINDOWS, counts, strict=True))
-    empty = by_name["empty"]
-    return {name: (n - empty) / rooms for name, n in by_name.items() if name != "empty"}
+    empty = next(count for name, _, count in run if name == "empty")
+    return {name: (count - empty) / n for name, n, count in run if name != "empty"}
 
 
-def report(preset: Preset, counts: Sequence[Sequence[int]]) -> BenchResult:
-    """The result of ``runs`` child runs' window counts (public for the smoke test)."""
-    runs = [per_room(c, preset.rooms) for c in counts]
+def _sends_per_room(curve: str, size: int) -> int:
+    """Chunk sends (chunks x sessions) of a room at ``size`` on ``curve``."""
+    if curve == "chunks":
+        return size
+    if curve == "sessions":
+        return CHUNKS * size
+    return CHUNKS
+
+
+def report(preset: Preset, raw_runs: Sequence[Sequence[Window]]) -> BenchResult:
+    """The result of ``runs`` child runs' windows (public for the smoke test)."""
+    runs = [per_room(r) for r in raw_runs]
+    rooms_of = {name: n for name, n, _ in raw_runs[0]}
     what = {
         "sender": "room: make_transfer_info, NixlKVSender, init, 8 sends, poll, clear",
         "sender again": "the same rooms again, same process (drift within a run)",
@@ -310,31 +352,66 @@ def report(preset: Preset, counts: Sequence[Sequence[int]]) -> BenchResult:
         "clear": "clear",
     }
     run_cols = [f"run {i + 1}" for i in range(len(runs))]
-    columns = ["window", *run_cols, "spread %", "per chunk", f"/{REFERENCE}", "what"]
+    columns = ["window", "rooms", *run_cols, "spread %", "per chunk", f"/{REFERENCE}", "what"]
     rows: list[dict[str, Cell]] = []
     spreads: dict[str, float] = {}
-    for name in what:
+    for name in WINDOW_NAMES[1:]:
         values = [r[name] for r in runs]
         mean = sum(values) / len(values)
-        spread = 100 * (max(values) - min(values)) / mean if mean else 0.0
-        spreads[name] = spread
-        row: dict[str, Cell] = {"window": name}
+        spreads[name] = 100 * (max(values) - min(values)) / mean if mean else 0.0
+    for name, text in what.items():
+        values = [r[name] for r in runs]
+        row: dict[str, Cell] = {"window": name, "rooms": rooms_of[name]}
         row.update({col: round(v) for col, v in zip(run_cols, values, strict=True)})
         row.update(
             {
-                "spread %": f"{spread:.4f}",
+                "spread %": f"{spreads[name]:.4f}",
                 "per chunk": round(values[0] / CHUNKS),
                 f"/{REFERENCE}": values[0] / runs[0][REFERENCE],
-                "what": what[name],
+                "what": text,
             }
         )
         rows.append(row)
-    steps = sum(runs[0][s] for s in STEPS)
-    sender = runs[0]["sender"]
+
+    first = runs[0]
+    growth_rows: list[dict[str, Cell]] = []
+    flagged: list[str] = []
+    exponents: dict[str, JSONValue] = {}
+    for curve, points in CURVES.items():
+        sizes = [size for size, _ in points]
+        costs = [first[window] for _, window in points]
+        fit = loglog_exponent(sizes, costs)
+        last = loglog_exponent(sizes[-2:], costs[-2:])
+        limit = 0.0 if curve == "rooms in flight" else 1.0
+        over = [
+            f"{label} {v:.3f}"
+            for label, v in (("exponent", fit), ("last step", last))
+            if v is not None and v > limit + GROWTH_TOL
+        ]
+        if over:
+            flagged.append(f"{curve}: " + ", ".join(over))
+        per_send = [
+            cost / _sends_per_room(curve, size) for size, cost in zip(sizes, costs, strict=True)
+        ]
+        growth_rows.append(
+            {
+                "curve": curve,
+                "sizes": " / ".join(f"{s:,}" for s in sizes),
+                "Ir per room": " / ".join(f"{c:,.0f}" for c in costs),
+                "Ir per chunk send": " / ".join(f"{c:,.0f}" for c in per_send),
+                "exponent": fit,
+                "last step": last,
+                "flag": "; ".join(over) if over else "-",
+            }
+        )
+        exponents[curve] = {"fit": fit, "last_step": last, "sizes": list(sizes)}
+
+    steps = sum(first[s] for s in STEPS)
+    sender = first["sender"]
     ratios = [
-        Ratio("sender/reference", sender / runs[0][REFERENCE], "instructions per room"),
-        Ratio("sender again/sender", runs[0]["sender again"] / sender, "drift within a run"),
-        Ratio("steps/sender", steps / sender, "sum of the step windows vs whole rooms"),
+        Ratio("sender/reference", sender / first[REFERENCE], "instructions per room"),
+        Ratio("sender again/sender", first["sender again"] / sender, "drift within a run"),
+        Ratio("steps/sender", steps / sender, f"{rooms_of['open']} rooms in flight vs one"),
     ]
     if len(runs) > 1:
         ratios.append(Ratio("run 2/run 1 sender", runs[1]["sender"] / sender, "repeatability"))
@@ -345,18 +422,35 @@ def report(preset: Preset, counts: Sequence[Sequence[int]]) -> BenchResult:
             "regression of a few percent shows)",
             None,
             f"sender {sender:,.0f} Ir/room ({sender / CHUNKS:,.0f} per chunk) = "
-            f"{sender / runs[0][REFERENCE]:.2f}x the Lock + dicts reference; largest spread "
-            f"between runs {worst:.3f} %",
-        )
+            f"{sender / first[REFERENCE]:.2f}x the Lock + dicts reference; largest spread "
+            f"between runs {worst:.4f} % over all {len(spreads)} windows",
+        ),
+        Goal(
+            f"no-op bookkeeping per room at most linear in chunks and sessions and flat in "
+            f"rooms in flight, in instructions (exponent and last step <= 1 or 0 + "
+            f"{GROWTH_TOL:g}: counts repeat exactly)",
+            not flagged,
+            "; ".join(flagged)
+            if flagged
+            else "nothing flagged: "
+            + ", ".join(
+                f"{r['curve']} {r['exponent']:.3f}"
+                for r in growth_rows
+                if isinstance(r["exponent"], float)
+            ),
+        ),
     ]
     notes = [
-        f"instructions (callgrind Ir) per room, {preset.rooms} rooms per window, the empty "
-        f"window ({counts[0][0]:,} Ir: the ctypes callback itself) subtracted; room = "
-        f"{CHUNKS} chunks x {PAGES} pages, {SESSIONS} session, no-op transport, inline manager",
+        f"instructions (callgrind Ir) per room, the empty window ({raw_runs[0][0][2]:,} Ir: "
+        f"the ctypes callback itself) subtracted; room = {CHUNKS} chunks x {PAGES} pages to 1 "
+        "session unless the window says otherwise, no-op transport, inline manager",
         f"counted only inside {TOGGLE} (a ctypes callback per window), instrumentation "
-        "switched on after the set-up (callgrind_control -i on), PYTHONHASHSEED=0, GC off in "
-        "the windows; step windows run the rooms in flight together (open all, then init "
-        "all, ...)",
+        "switched on after the set-up (callgrind_control -i on), PYTHONHASHSEED=0, a fixed "
+        "environment, GC off in the windows; step windows run their rooms in flight together "
+        "(open all, then init all, ...)",
+        "growth: rooms one after the other (chunks, sessions: as many chunk sends per window "
+        "as the sender window) or a whole batch in flight in one window; per chunk send = "
+        "per room / (chunks x sessions)",
         f"{len(runs)} child runs at the same time; spread % = (max - min) / mean over runs; "
         "a checkout at another path counts up to ~0.2 % differently (compare trees at one "
         "path)",
@@ -366,11 +460,10 @@ def report(preset: Preset, counts: Sequence[Sequence[int]]) -> BenchResult:
         "runs": preset.runs,
         "chunks": CHUNKS,
         "pages_per_chunk": PAGES,
-        "sessions": SESSIONS,
         "toggle": TOGGLE,
     }
-    samples = {name: [r[name] for r in runs] for name in what}
-    raw: list[JSONValue] = [list(c) for c in counts]
+    samples = {name: [r[name] for r in runs] for name in WINDOW_NAMES[1:]}
+    raw: list[JSONValue] = [[[name, n, c] for name, n, c in r] for r in raw_runs]
     return BenchResult(
         name=NAME,
         title=TITLE,
@@ -381,8 +474,23 @@ def report(preset: Preset, counts: Sequence[Sequence[int]]) -> BenchResult:
         notes=notes,
         params=params,
         samples=samples,
-        extra={"window_counts": raw, "windows": list(WINDOWS)},
+        extra={"windows": raw, "exponents": exponents},
         ratios_title="ratios (of run 1's counts; counts have no rounds)",
+        tables=[
+            Table(
+                "growth in instructions (run 1)",
+                [
+                    "curve",
+                    "sizes",
+                    "Ir per room",
+                    "Ir per chunk send",
+                    "exponent",
+                    "last step",
+                    "flag",
+                ],
+                growth_rows,
+            )
+        ],
     )
 
 

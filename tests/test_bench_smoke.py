@@ -402,26 +402,72 @@ def test_instructions_reads_window_dumps(tmp_path: Path) -> None:
         instructions.parse_totals(b"events: Ir\n")
 
 
-def test_instructions_report_per_room_and_spread() -> None:
+def _windows(per_room: Callable[[str], int]) -> list[instructions.Window]:
+    """Made-up child windows: ``per_room(name)`` instructions per room on top of a 1,000
+    Ir empty window, with the rooms the child would run at ``--rooms 10``."""
+    plan = [(w.name, w.rooms(10)) for w in child.windows(10)]
+    return [(name, n, 1_000 + (per_room(name) * n if name != "empty" else 0)) for name, n in plan]
+
+
+def _linear_ir(name: str) -> int:
+    """A fixed per-room part plus a part per chunk send: linear, flat in rooms in flight."""
+    sends = child.BASE_CHUNKS
+    if name.startswith("chunks "):
+        sends = int(name.split()[1])
+    elif name.startswith("sessions "):
+        sends = child.BASE_CHUNKS * int(name.split()[1])
+    return 20_000 + 1_000 * sends if name != instructions.REFERENCE else 5_000
+
+
+def test_instructions_report_per_room_spread_and_growth() -> None:
     preset = instructions.Preset(rooms=10, runs=2)
-    counts = {name: 1_000 + 10_000 * (i + 1) for i, name in enumerate(child.WINDOWS)}
-    counts["empty"] = 1_000
-    run1 = [counts[name] for name in child.WINDOWS]
-    run2 = [n + (100 if name == "send" else 0) for name, n in zip(child.WINDOWS, run1, strict=True)]
+    run1 = _windows(_linear_ir)
+    run2 = [(n, r, c + (100 if n == "send" else 0)) for n, r, c in run1]
     result = instructions.report(preset, [run1, run2])
     _check_structure(result)
     rows = {row["window"]: row for row in result.rows}
-    assert rows["sender"]["run 1"] == 2_000  # (21,000 - 1,000 empty) / 10 rooms
+    assert rows["sender"]["run 1"] == 28_000 and rows["sender"]["rooms"] == 10
     assert rows["sender"]["spread %"] == "0.0000"
     assert rows["send"]["spread %"] != "0.0000"  # a planted difference between the runs
     assert rows["reference"]["/reference"] == 1.0
+    (growth,) = result.tables
+    assert [r["curve"] for r in growth.rows] == list(instructions.CURVES)
+    assert [g.met for g in result.goals] == [None, True]
+    assert all(r["flag"] == "-" for r in growth.rows)
+
+
+def test_instructions_flag_superlinear_growth() -> None:
+    """Planted: per-room instructions quadratic in chunks, and growing with rooms in flight
+    (a per-room cost that scans every room in flight): both flagged, sessions not."""
+
+    def planted(name: str) -> int:
+        base = _linear_ir(name)
+        if name.startswith("chunks "):
+            base += 10 * int(name.split()[1]) ** 2
+        if name.startswith("in flight "):
+            base += 50 * int(name.split()[2])
+        return base
+
+    result = instructions.report(instructions.Preset(rooms=10, runs=1), [_windows(planted)])
+    assert result.goals[1].met is False
+    detail = result.goals[1].detail
+    assert "chunks:" in detail and "rooms in flight:" in detail and "sessions" not in detail
+
+
+def test_instructions_parse_windows_line() -> None:
+    line = "WINDOWS " + ",".join(f"{w.name}:{w.rooms(4)}" for w in child.windows(4))
+    assert [n for n, _ in instructions.parse_windows(line)] == list(child.WINDOW_NAMES)
+    with pytest.raises(instructions.CallgrindError, match="unexpected"):
+        instructions.parse_windows("WINDOWS empty:1,sender:4")
+    with pytest.raises(instructions.CallgrindError, match="malformed"):
+        instructions.parse_windows("WINDOWS empty:x")
 
 
 def test_callgrind_child_runs_natively() -> None:
     """The counted program, without valgrind: every window runs on the current API."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="0")
     proc = subprocess.run(
-        [sys.executable, "-m", "bench._callgrind_child", "--rooms", "2", "--sessions", "2"],
+        [sys.executable, "-m", "bench._callgrind_child", "--rooms", "2", "--pages", "2"],
         cwd=ROOT,
         env=env,
         input="go\n",
@@ -431,4 +477,7 @@ def test_callgrind_child_runs_natively() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["READY", "WINDOWS " + ",".join(child.WINDOWS)]
+    ready, windows = proc.stdout.splitlines()
+    assert ready == "READY"
+    plan = instructions.parse_windows(windows)
+    assert plan == [(w.name, w.rooms(2)) for w in child.windows(2)]
