@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export NIXL_LOG_LEVEL ?= WARN
 export PYTHONUNBUFFERED = 1
 
-.PHONY: setup test lint unit stress stress-quick bench bench-quick clean mutants
+.PHONY: setup test lint unit stress stress-quick bench bench-quick bench-curves bench-instructions clean mutants
 
 setup: $(STAMP)
 
@@ -39,6 +39,15 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m bench --quick
+
+# Per-room cost curves vs bare NIXL (~1 min; its --quick preset is part of bench-quick).
+bench-curves: $(STAMP)
+	$(PY) -m bench curves
+
+# Instructions per room under valgrind's callgrind (1-3 min; skipped by --quick, and with a
+# message where valgrind is missing). A count repeats exactly: a few percent is a regression.
+bench-instructions: $(STAMP)
+	$(PY) -m bench instructions
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

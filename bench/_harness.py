@@ -11,6 +11,7 @@ most of the drift). Speed is only ever reported, never asserted.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import platform
 import random
@@ -28,7 +29,8 @@ Cell = str | int | float | None
 
 JSONValue = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
 
-Status = Literal["ok", "pending", "error"]
+Status = Literal["ok", "pending", "skipped", "error"]
+"""``pending``: cannot run here (e.g. NIXL missing); ``skipped``: not part of this preset."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,19 @@ class Goal:
         return {"text": self.text, "met": self.met, "verdict": self.verdict, "detail": self.detail}
 
 
+@dataclass(frozen=True)
+class Table:
+    """A further table of a result, printed after the main one under its ``title``."""
+
+    title: str
+    columns: list[str]
+    rows: list[dict[str, Cell]]
+
+    def to_json(self) -> dict[str, JSONValue]:
+        rows: list[JSONValue] = [dict(row) for row in self.rows]
+        return {"title": self.title, "columns": list(self.columns), "rows": rows}
+
+
 @dataclass
 class BenchResult:
     """Everything one benchmark reports: a table of medians, ratios, goal lines and notes.
@@ -91,6 +106,9 @@ class BenchResult:
     status: Status = "ok"
     elapsed_s: float = 0.0
     ratios_in_table: bool = False
+    tables: list[Table] = field(default_factory=list)
+    """Further tables (e.g. fitted exponents), printed after the main table."""
+    ratios_title: str = "ratios (median of per-round ratios)"
 
     def to_json(self) -> dict[str, JSONValue]:
         samples: dict[str, JSONValue] = {k: list(v) for k, v in self.samples.items()}
@@ -108,6 +126,7 @@ class BenchResult:
             "notes": list(self.notes),
             "samples": samples,
             "extra": dict(self.extra),
+            "tables": [t.to_json() for t in self.tables],
         }
 
     def render(self) -> str:
@@ -115,10 +134,13 @@ class BenchResult:
         out: list[str] = []
         if self.columns and self.rows:
             out.append(format_table(self.columns, self.rows))
+        for table in self.tables:
+            out.append(f"{table.title}:")
+            out.append(format_table(table.columns, table.rows))
         if self.ratios and self.ratios_in_table:
             out.append("ratios (/ref columns) are medians of per-round ratios")
         elif self.ratios:
-            out.append("ratios (median of per-round ratios):")
+            out.append(f"{self.ratios_title}:")
             width = max(len(r.name) for r in self.ratios)
             for r in self.ratios:
                 out.append(f"  {r.name:<{width}}  {format_ratio(r.value):>8}   {r.meaning}")
@@ -132,6 +154,11 @@ class BenchResult:
 def pending_result(name: str, title: str, reason: str) -> BenchResult:
     """The result of a benchmark that cannot run yet (a registered placeholder)."""
     return BenchResult(name=name, title=title, status="pending", notes=[f"pending: {reason}"])
+
+
+def skipped_result(name: str, title: str, reason: str) -> BenchResult:
+    """The result of a benchmark that this preset does not run (e.g. too slow for ``--quick``)."""
+    return BenchResult(name=name, title=title, status="skipped", notes=[f"skipped: {reason}"])
 
 
 # ---------------------------------------------------------------------------- timing
@@ -198,6 +225,26 @@ def median_ratio(num: Sequence[float], den: Sequence[float]) -> float | None:
     """
     pairs = [a / b for a, b in zip(num, den, strict=False) if b > 0]
     return median(pairs) if pairs else None
+
+
+def loglog_exponent(sizes: Sequence[float], costs: Sequence[float]) -> float | None:
+    """The exponent ``b`` of ``cost ~ size ** b``: least-squares slope of ``log cost`` on
+    ``log size``. ``1`` is linear growth, ``0`` flat.
+
+    ``None`` when fewer than two distinct sizes have a positive cost.
+
+    Raises:
+        ValueError: ``sizes`` and ``costs`` differ in length.
+    """
+    if len(sizes) != len(costs):
+        raise ValueError(f"{len(sizes)} sizes but {len(costs)} costs")
+    pts = [(math.log(s), math.log(c)) for s, c in zip(sizes, costs, strict=True) if s > 0 < c]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx
 
 
 def timer_overhead_ns(samples: int = 2001) -> float:

@@ -71,9 +71,19 @@ BENCHMARKS: tuple[BenchSpec, ...] = (
         "cross-process NIXL (our transport) vs torch copy_ of the same bytes, GB/s",
     ),
     BenchSpec(
+        "curves",
+        "bench.curves",
+        "per-room sender cost as chunks, sessions and rooms in flight grow, vs bare NIXL",
+    ),
+    BenchSpec(
+        "instructions",
+        "bench.instructions",
+        "instructions per room of the sender's bookkeeping (callgrind; not in --quick)",
+    ),
+    BenchSpec(
         "stress-rooms",
         "bench.stress_rooms",
-        "sender-lifecycle rooms/s over NIXL: rw vs mutex vs debug locks",
+        "sender-lifecycle rooms/s over NIXL: mutex (the default) vs rw vs debug locks",
     ),
     BenchSpec(
         "two-hosts",

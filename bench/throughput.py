@@ -41,13 +41,15 @@ pages on both sides: the staged write still has 1024 remote descriptors); 1024 x
 scattered -> contiguous (the staged write is one descriptor). All cells of all cases are
 interleaved round by round.
 
-Goals (reported, never asserted): ours >= 0.9x raw prepped (GB/s) at 1 MiB, 16 MiB and for
-the two scattered cases; a 64 KiB write within 1.25x raw prepped's time; ours' CPU per GB
-<= 1.2x raw prepped's on those cases. The older goal (our transfer >= 0.8x torch ``copy_``
-for >= 1 MiB) is judged on the 1 MiB and 16 MiB cases (one descriptor each) against the
-faster torch cell of each round. Torch's default two threads are not always the faster
-here: on this 2-core machine, shared with NIXL's threads and the peer process, a two-thread
-copy can stall on a descheduled worker.
+Goals (reported, never asserted), issue 19's first: a 64 KiB write of ours (plain index
+arrays) within 1.25x raw prepped's time, and ours >= 0.9x raw prepped GB/s at 1 MiB; then
+the README's: ours >= 0.9x raw prepped at 16 MiB and for the two scattered cases, ours' CPU
+per GB <= 1.2x raw prepped's on those cases and at 64 KiB, and the same three for
+``checked``. The torch ratios are reported, no longer judged (the goal of >= 0.8x torch
+``copy_`` for >= 1 MiB gave way to the raw prepped anchor); they use the faster torch cell
+of each round. Torch's default two threads are not always the faster here: on this 2-core
+machine, shared with NIXL's threads and the peer process, a two-thread copy can stall on a
+descheduled worker.
 """
 
 from __future__ import annotations
@@ -106,9 +108,8 @@ PREPPED_PLAIN = "raw prepped plain"
 CHECKED = "ours checked"
 """``ours`` with page lists checked once (:class:`sender.pages.CheckedPages`), as raw
 prepped builds its int32 index arrays once: the per-write index checks are skipped."""
-GOAL_RATIO = 0.8
 GOAL_CASES = ("1 MiB", "16 MiB")
-"""Cases the torch goal is judged on: contiguous bytes >= 1 MiB, one descriptor."""
+"""Contiguous cases whose µs per write the notes show (with the 64 KiB case)."""
 TINY_CASE = "64 KiB (4 pages)"
 ANCHOR_RATIO = 0.9
 """Goal: ours >= this x raw prepped's GB/s on :data:`ANCHOR_CASES`."""
@@ -751,7 +752,6 @@ def _report(
     ]
     rows: list[dict[str, Cell]] = []
     ratios: list[Ratio] = []
-    goal_ratios: dict[str, float] = {}
     vs_prepped: dict[str, float | None] = {}  # ours / raw prepped, GB/s
     time_vs_prepped: dict[str, float | None] = {}  # ours' time / raw prepped's
     cpu_vs_prepped: dict[str, float | None] = {}  # ours' CPU per GB / raw prepped's
@@ -907,45 +907,56 @@ def _report(
                     "> 1: gather + one write beats the many-descriptor write",
                 )
             )
-        if name in GOAL_CASES:
-            goal_ratios[name] = ours_torch or 0.0
 
-    detail = ", ".join(f"{k}: ours/torch {v:.2f}x" for k, v in goal_ratios.items())
     cpu_cases = (*ANCHOR_CASES, TINY_CASE)
+    rest = tuple(k for k in ANCHOR_CASES if k != "1 MiB")
     goals = [
-        Goal(
-            f"transfer >= {GOAL_RATIO:g}x torch copy_ for >= 1 MiB (ours, one descriptor)",
-            all(v >= GOAL_RATIO for v in goal_ratios.values()),
-            detail,
+        # Issue 19's two goals for one write, on plain index arrays (ours) ...
+        _goal(
+            f"a 64 KiB write (4 pages, plain index arrays) <= {TINY_TIME_RATIO:g}x "
+            f"{PREPPED} NIXL's time",
+            {TINY_CASE: time_vs_prepped.get(TINY_CASE)},
+            lambda v: v <= TINY_TIME_RATIO,
+            "ours/prepped time",
         ),
-        *(
-            g
-            for who, vs, tvs, cvs in (
-                ("ours", vs_prepped, time_vs_prepped, cpu_vs_prepped),
-                ("checked", ck_vs_prepped, ck_time_vs_prepped, ck_cpu_vs_prepped),
-            )
-            for g in (
-                _goal(
-                    f"{who} >= {ANCHOR_RATIO:g}x {PREPPED} GB/s at 1 MiB, 16 MiB and 1024 "
-                    "scattered 16 KiB pages",
-                    {k: vs.get(k) for k in ANCHOR_CASES},
-                    lambda v: v >= ANCHOR_RATIO,
-                    f"{who}/prepped",
-                ),
-                _goal(
-                    f"a 64 KiB write (4 pages) of {who} within {TINY_TIME_RATIO:g}x "
-                    f"{PREPPED}'s time",
-                    {TINY_CASE: tvs.get(TINY_CASE)},
-                    lambda v: v <= TINY_TIME_RATIO,
-                    f"{who}/prepped time",
-                ),
-                _goal(
-                    f"CPU per GB of {who} <= {CPU_RATIO:g}x {PREPPED}'s",
-                    {k: cvs.get(k) for k in cpu_cases},
-                    lambda v: v <= CPU_RATIO,
-                    f"cpu {who}/prepped",
-                ),
-            )
+        _goal(
+            f"plain index arrays >= {ANCHOR_RATIO:g}x {PREPPED} GB/s at 1 MiB",
+            {"1 MiB": vs_prepped.get("1 MiB")},
+            lambda v: v >= ANCHOR_RATIO,
+            "ours/prepped",
+        ),
+        # ... then the README's: the larger cases and CPU, for ours and for checked pages.
+        _goal(
+            f"plain index arrays >= {ANCHOR_RATIO:g}x {PREPPED} GB/s at 16 MiB and 1024 "
+            "scattered 16 KiB pages",
+            {k: vs_prepped.get(k) for k in rest},
+            lambda v: v >= ANCHOR_RATIO,
+            "ours/prepped",
+        ),
+        _goal(
+            f"CPU per GB of plain index arrays <= {CPU_RATIO:g}x {PREPPED}'s",
+            {k: cpu_vs_prepped.get(k) for k in cpu_cases},
+            lambda v: v <= CPU_RATIO,
+            "cpu ours/prepped",
+        ),
+        _goal(
+            f"checked pages >= {ANCHOR_RATIO:g}x {PREPPED} GB/s at 1 MiB, 16 MiB and 1024 "
+            "scattered 16 KiB pages",
+            {k: ck_vs_prepped.get(k) for k in ANCHOR_CASES},
+            lambda v: v >= ANCHOR_RATIO,
+            "checked/prepped",
+        ),
+        _goal(
+            f"a 64 KiB write (4 pages) of checked pages <= {TINY_TIME_RATIO:g}x {PREPPED}'s time",
+            {TINY_CASE: ck_time_vs_prepped.get(TINY_CASE)},
+            lambda v: v <= TINY_TIME_RATIO,
+            "checked/prepped time",
+        ),
+        _goal(
+            f"CPU per GB of checked pages <= {CPU_RATIO:g}x {PREPPED}'s",
+            {k: ck_cpu_vs_prepped.get(k) for k in cpu_cases},
+            lambda v: v <= CPU_RATIO,
+            "cpu checked/prepped",
         ),
     ]
 

@@ -65,6 +65,7 @@ from bench._harness import (
     pending_result,
     timer_overhead_ns,
 )
+from bench._noop import NoopTransport
 from sender import _nixl
 
 if TYPE_CHECKING:
@@ -88,7 +89,10 @@ PEER_PAGES = 512
 PLANS = 4
 SESSION = "decode-0"
 POLL_INTERVAL_S = 0.0002
-GOAL_SHARE_PCT = 1.0
+GOAL_SHARE_PCT = 5.0
+"""Goal (issue 19): bookkeeping <= this % of a real 8 x 1 MiB room, every layout and path."""
+NEXT_GOAL_SHARE_PCT = 2.0
+"""The goal after that one: <= this %."""
 TORCH_THREADS = 1
 LAYOUTS = ("contiguous", "scattered")
 PATHS = ("direct", "staged")
@@ -243,35 +247,6 @@ class _RowStats:
     by_call_us: dict[str, list[float]] = field(default_factory=dict)
 
 
-class _NoopTransfer:
-    """A transfer that is already done and holds nothing."""
-
-    __slots__ = ()
-
-    def poll(self) -> str:
-        return "DONE"
-
-    def release(self) -> None:
-        return None
-
-
-class _NoopTransport:
-    """A transport that moves nothing: the sender's bookkeeping without NIXL around it."""
-
-    def write_pages(
-        self,
-        session_id: str,
-        src_pages: PageIndices,
-        dst_pages: PageIndices,
-        notif: bytes | None = None,
-        *,
-        src_region: str = "kv",
-        dst_region: str = "kv",
-        timeout_s: float | None = None,
-    ) -> _NoopTransfer:
-        return _NoopTransfer()
-
-
 class _Rig:
     """Prefill transport, staging pool and four inline managers (real NIXL or no-op
     transport, direct or staged path) in front of one decode peer process."""
@@ -297,7 +272,7 @@ class _Rig:
             self.tx.add_peer(SESSION, peer.metadata)
             transports = {
                 "sender": _TimedTransport(self.tx, self.clock),
-                "no-op": _TimedTransport(_NoopTransport(), self.clock),
+                "no-op": _TimedTransport(NoopTransport(), self.clock),
             }
             self.managers: dict[tuple[str, str], KVManager] = {
                 (way, path): KVManager(
@@ -552,14 +527,15 @@ def _report(
     detail = ", ".join(
         f"{k} {d:.1f}% (no-op {n:.1f}%, diff {f:.1f}%)" for k, (d, n, f) in shares.items()
     )
-    met = all(direct <= GOAL_SHARE_PCT for direct, _, _ in shares.values())
+    worst = max(direct for direct, _, _ in shares.values())
     goals = [
         Goal(
-            f"bookkeeping <= {GOAL_SHARE_PCT:g} % of a real 8 x 1 MiB room (book %, every "
-            "layout and path)",
-            met,
-            detail,
+            f"bookkeeping <= {pct:g} % of a real 8 x 1 MiB room (book %, every layout and "
+            f"path){' (the next step)' if pct == NEXT_GOAL_SHARE_PCT else ''}",
+            worst <= pct,
+            f"worst {worst:.1f} %: {detail}",
         )
+        for pct in (GOAL_SHARE_PCT, NEXT_GOAL_SHARE_PCT)
     ]
     primary = "contiguous/direct"
 
@@ -581,6 +557,8 @@ def _report(
         "inline manager (num_workers=0), debug locks off, StagingContext lock rw, manager "
         f"lock mutex, torch on {TORCH_THREADS} intra-op thread; timer pairs "
         f"({overhead_ns:.0f} ns each) are not subtracted, so book is a slight overestimate",
+        "the per-chunk goal on the no-op transport (<= 1.0x NIXL's own per-call cost) is "
+        "judged by `python -m bench curves`, which has that anchor",
         f"one room per layout/path verified byte-exact at the peer before timing; peer "
         f"process start {peer_start_s:.1f} s (untimed)",
     ]
