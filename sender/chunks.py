@@ -71,7 +71,7 @@ class Chunk:
         chunk_idx: int,
         session_id: str,
         src_pages: PageArray,
-        dst_pages: PageArray,
+        dst_pages: PageArray | None,
         byte_range: tuple[int, int] | None,
         dst_region: str,
         is_last: bool,
@@ -84,6 +84,8 @@ class Chunk:
         self.chunk_idx = chunk_idx
         self.session_id = session_id
         self.src_pages = src_pages
+        # The destination pages as an array only when they are not checked (``dst_checked``
+        # is ``None``); a checked chunk needs no second copy of them.
         self.dst_pages = dst_pages
         self.byte_range = byte_range
         self.dst_region = dst_region

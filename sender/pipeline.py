@@ -23,6 +23,7 @@ between the polls of a worker's own chunks, while a worker waits for a staging s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -39,7 +40,7 @@ from sender.errors import TransferTimeoutError, TransportParamError
 from sender.pages import CheckedPages
 from sender.poll import KVPoll
 from sender.rooms import RoomEntry, RoomTable
-from sender.transport import PageIndices, Transfer, pause_between_polls, poll_pauses
+from sender.transport import PageIndices, pause_between_polls, poll_pauses
 from staging.buffers import PoolClosedError, PoolExhaustedError, StagingBufferPool
 from staging.context import RoomHandle
 from staging.validate import bounded_wait, check_chunk_idx, check_index
@@ -66,6 +67,8 @@ would take the CPU from NIXL's progress thread and the peer."""
 
 HUNG_SWEEP_S = 0.05
 """Hung chunks are re-checked this often (:meth:`ChunkPipeline.maybe_sweep`), busy or idle."""
+
+_debug_enabled = functools.partial(logger.isEnabledFor, logging.DEBUG)
 
 _End = tuple[Chunk, BaseException | None, bool, bool]
 """``(chunk, exc, abandoned, already_failed)``: one chunk to end (see ``_end_many``)."""
@@ -281,9 +284,12 @@ class ChunkPipeline:
                 ends.append((chunk, exc, False, False))
                 continue
             chunk.transfer = transfer
-            # Our own transfers say whether they completed inside the post (other transfer
-            # types, e.g. fault injectors, are asked by a poll as usual).
-            if type(transfer) is Transfer and transfer.done:
+            # A transfer type that declares it (ours) says whether the write completed inside
+            # its post; a wrapper (a fault injector) is asked by a poll as usual: the marker
+            # is looked up on the type, never forwarded by an instance's __getattr__.
+            if getattr(type(transfer), "REPORTS_DONE_AT_POST", False) and getattr(
+                transfer, "done", False
+            ):
                 ends.append((chunk, None, False, False))
         return ends
 
@@ -291,7 +297,7 @@ class ChunkPipeline:
     def _log_posts(chunks: Sequence[Chunk]) -> None:
         """DEBUG lines for the posts of a unit (after its gate is released: never under a
         lock)."""
-        if logger.isEnabledFor(logging.DEBUG):
+        if _debug_enabled():
             for chunk in chunks:
                 if chunk.transfer is not None:
                     logger.debug(
@@ -309,10 +315,11 @@ class ChunkPipeline:
         else:
             src = chunk.src_checked if chunk.src_checked is not None else chunk.src_pages
             region = self.kv_region
+        dst: Any = chunk.dst_checked if chunk.dst_checked is not None else chunk.dst_pages
         return self.transport.write_pages(
             chunk.session_id,
             src,
-            chunk.dst_checked if chunk.dst_checked is not None else chunk.dst_pages,
+            dst,
             notif,
             src_region=region,
             dst_region=chunk.dst_region,
@@ -400,7 +407,7 @@ class ChunkPipeline:
             claimed.append(end)
         if claimed:
             after = self.rooms.account_ends(claimed, self._nbytes, self._fatal)
-            if logger.isEnabledFor(logging.DEBUG):
+            if _debug_enabled():
                 for chunk, outcome, abandoned, _ in claimed:
                     logger.debug(
                         "room %d gen %d chunk %d -> %r ended: %s",
@@ -409,8 +416,9 @@ class ChunkPipeline:
                         "abandoned" if abandoned else "done" if outcome is None else repr(outcome),
                     )
             after.run(self.rooms.events)
-            for session_id, fatal in after.fatal:
-                self.rooms.fail_session(session_id, f"{type(fatal).__name__}: {fatal}")
+            if after.fatal:
+                for session_id, fatal in after.fatal:
+                    self.rooms.fail_session(session_id, f"{type(fatal).__name__}: {fatal}")
         if error is not None:
             raise error
         return len(claimed)
@@ -452,7 +460,13 @@ class ChunkPipeline:
         if self.workers:
             self.maybe_sweep()  # hung chunks are swept wherever the manager runs
             return
-        pending = self.rooms.pending_of(handle)
+        rooms = self.rooms
+        entry = rooms.peek(handle)
+        # A lock-free first look (each a single atomic read): nothing in flight, draining or
+        # hung means nothing to poll; a stale answer only defers a poll to the next call.
+        if (entry is None or not entry.inflight) and not rooms.draining and not rooms.hung:
+            return
+        pending = rooms.pending_of(handle)
         if pending:
             self.poll_all(pending)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from sender.poll import KVPoll, is_concluded, merge_status
 from staging.buffers import StagingBufferPool
 from staging.context import RoomHandle, RoomPurge, StagingContext
 from staging.errors import RoomAlreadyOpenError
-from staging.locks import LockLevel, MutexLock, RWLock, make_lock
+from staging.locks import LockLevel, MutexLock, RWLock, debug_from_env, make_lock
 
 __all__ = ["COUNTERS", "After", "ManagerEvents", "ManagerPurge", "RoomEntry", "RoomTable"]
 
@@ -68,6 +69,12 @@ COUNTERS = (
 )
 """The room table's counters (``ManagerStats`` fields of the same names)."""
 
+# Module-level aliases of the statuses used on hot paths (an Enum member look-up costs more
+# than a global one).
+_FAILED = KVPoll.Failed
+_SUCCESS = KVPoll.Success
+_TRANSFERRING = KVPoll.Transferring
+
 MAX_ROOMS_LOGGED = 64
 """A session failed as a whole is logged once, naming at most this many of its rooms."""
 
@@ -87,9 +94,10 @@ class After:
 
     def run(self, events: ManagerEvents | None) -> None:
         """Emit the events and log lines (never raises: a listener error is logged)."""
-        for level, msg, args in self.logs:
-            logger.log(level, msg, *args)
-        if events is None:
+        if self.logs:
+            for level, msg, args in self.logs:
+                logger.log(level, msg, *args)
+        if events is None or not (self.concluded or self.ended):
             return
         try:
             for rec in self.concluded:
@@ -108,7 +116,7 @@ class RoomEntry:
 
     handle: RoomHandle
     sessions: tuple[str, ...]
-    gate: RWLock | MutexLock
+    gate: RWLock | MutexLock | PlainGate
     opened_at: float
     num_kv_indices: int | None = None
     jobs_total: int = 0
@@ -167,6 +175,22 @@ def _note(exc: BaseException, text: str) -> None:
         exc.__notes__ = [*(notes or ()), text]
 
 
+class PlainGate:
+    """A room's post gate outside debug mode: a bare ``threading.Lock`` (itself the context
+    manager ``write_untimed()`` returns), made at open time so that DPOR explorers, which
+    patch ``threading.Lock``, see it. In debug mode the gate is a ``MutexLock`` of level
+    ``ROOM_GATE`` instead, so that the lock order is checked; both are held the same way
+    (``with gate.write_untimed(): ...``)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def write_untimed(self) -> threading.Lock:
+        return self._lock
+
+
 class RoomTable:
     """The per-room tables and their locks.
 
@@ -198,6 +222,7 @@ class RoomTable:
         self.notifier = notifier
         self.events = events
         self._debug = debug
+        self._debug_gates = debug_from_env() if debug is None else bool(debug)
         self.lock = make_lock(lock, "kv-manager", LockLevel.ROOM, debug=debug)
         self.failure_lock = make_lock("mutex", "kv-failure", LockLevel.FAILURE, debug=debug)
         # --- Guarded by lock (read under read(), mutate under write()). ---
@@ -255,7 +280,7 @@ class RoomTable:
         chunk of it may be staged and posted. Caller holds ``lock``."""
         return (
             self.live_locked(handle, count=count) is entry
-            and self.request_status.get(handle.room) is not KVPoll.Failed
+            and self.request_status.get(handle.room) is not _FAILED
         )
 
     def tables_locked(self) -> tuple[tuple[str, dict[int, Any]], ...]:
@@ -309,8 +334,8 @@ class RoomTable:
         """Caller holds ``lock`` (write)."""
         if entry.last_chunk_seen and entry.jobs_done == entry.jobs_total:
             room = entry.handle.room
-            self.set_status_locked(room, KVPoll.Success)
-            if not entry.concluded and self.request_status[room] is KVPoll.Success:
+            self.set_status_locked(room, _SUCCESS)
+            if not entry.concluded and self.request_status[room] is _SUCCESS:
                 entry.concluded = True
                 self.counts["rooms_succeeded"] += 1
                 if after is not None and self.events is not None:
@@ -340,7 +365,7 @@ class RoomTable:
         if entry is None:
             return False
         room = handle.room
-        first = self.request_status.get(room) is not KVPoll.Failed
+        first = self.request_status.get(room) is not _FAILED
         if exc is not None and room not in self.exceptions:
             where = f"room {room} generation {handle.generation}"
             if session_id is not None:
@@ -349,7 +374,7 @@ class RoomTable:
                 where += f", chunk {chunk_idx}"
             _note(exc, f"nixl-staging: {where}")
             self.exceptions[room] = exc
-        self.set_status_locked(room, KVPoll.Failed)
+        self.set_status_locked(room, _FAILED)
         with self.failure_lock.write():
             self.failure_records.setdefault(room, reason)
         if first:
@@ -389,7 +414,11 @@ class RoomTable:
         Raises:
             RoomAlreadyOpenError, RuntimeError (closed), LockTimeoutError (staging).
         """
-        gate = make_lock("mutex", "kv-room-gate", LockLevel.ROOM_GATE, debug=self._debug)
+        gate: RWLock | MutexLock | PlainGate = (
+            make_lock("mutex", "kv-room-gate", LockLevel.ROOM_GATE, debug=True)
+            if self._debug_gates
+            else PlainGate()
+        )
         now = time.monotonic()
         with self.lock.write():
             if self.closing:
@@ -538,7 +567,7 @@ class RoomTable:
                          time.monotonic() - entry.opened_at)
                     )
             if self.notifier.enabled and status is not KVPoll.Success:
-                failed = status is KVPoll.Failed
+                failed = status is _FAILED
                 notice = RoomNotice(
                     room,
                     entry.handle.generation,
@@ -626,13 +655,13 @@ class RoomTable:
         """
         n = int(kv_indices.shape[0])
         end = start + n
-        now = time.monotonic()
+        now = time.monotonic() if self.events is not None else 0.0
         after: After | None = None
         with self.lock.write():
             entry = self.live_locked(handle)
             if entry is None or (entry_expected is not None and entry is not entry_expected):
                 return None
-            if self.request_status.get(handle.room) is KVPoll.Failed:
+            if self.request_status.get(handle.room) is _FAILED:
                 return None
             infos = self.transfer_infos.get(handle.room)
             if entry.num_kv_indices is None or infos is None or len(infos) != len(
@@ -645,15 +674,14 @@ class RoomTable:
                 raise ValueError(
                     f"chunk ends at page {end}, past num_kv_indices={entry.num_kv_indices}"
                 )
-            for info in infos.values():
+            chunks: list[Chunk] = []
+            ids = self._chunk_ids
+            for info in infos.values():  # nothing changes until every info passed
                 if info.dst_pages.size < end:  # add_info refuses these; be sure
                     raise ValueError(
                         f"session {info.session_id!r} has {info.dst_pages.size} destination "
                         f"pages; chunk ends at page {end}"
                     )
-            chunks: list[Chunk] = []
-            ids = self._chunk_ids
-            for info in infos.values():
                 # Pages before the decode prefix are already at the peer: skip them.
                 skip = min(max(info.decode_prefix_len - start, 0), n)
                 sends = skip < n
@@ -664,7 +692,7 @@ class RoomTable:
                         chunk_idx,
                         info.session_id,
                         kv_indices[skip:] if skip else kv_indices,
-                        info.dst_pages[start + skip : end],
+                        info.dst_pages[start + skip : end] if dst_checked is None else None,
                         info.byte_range,
                         info.dst_region,
                         is_last,
@@ -682,7 +710,8 @@ class RoomTable:
             entry.jobs_total += len(chunks)
             entry.last_chunk_seen = entry.last_chunk_seen or is_last
             self.counts["chunks_submitted"] += len(chunks)
-            self.set_status_locked(handle.room, KVPoll.Transferring)
+            if self.request_status.get(handle.room) is not _TRANSFERRING:
+                self.set_status_locked(handle.room, _TRANSFERRING)
             if is_last and not chunks:
                 after = After()
                 self.maybe_succeed_locked(entry, after)
@@ -863,7 +892,8 @@ class RoomTable:
                     entry.jobs_done += 1
                     counts["chunks_done"] += 1
                     counts["bytes_posted"] += nbytes(chunk)
-                    self.maybe_succeed_locked(entry, after)
+                    if entry.last_chunk_seen and entry.jobs_done == entry.jobs_total:
+                        self.maybe_succeed_locked(entry, after)
                     if events:
                         after.ended.append(
                             (chunk.session_id, "done", now - chunk.made_at, nbytes(chunk))

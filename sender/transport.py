@@ -336,6 +336,10 @@ class Transfer:
     transfers never block each other here). ``release()`` is idempotent.
     """
 
+    REPORTS_DONE_AT_POST = True
+    """Its ``done`` says whether the write completed inside its post (a class attribute:
+    wrappers that forward attributes through ``__getattr__`` do not inherit it)."""
+
     __slots__ = (
         "__weakref__",
         "_done",
