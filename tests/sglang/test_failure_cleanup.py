@@ -9,11 +9,15 @@ state is made by upstream's own prefetch path, not by hand.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tools.sglang import drive
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("scheduled")]
+
+ADOPTING = Path(__file__).resolve().parents[2] / "docs" / "ADOPTING.md"
 
 ROOM, OTHER = 7, 8
 # The per-room tables of the prefill manager that the failed room's failure_exception() must
@@ -118,19 +122,50 @@ def _clear_source(how: drive.Adoption) -> str:
 
 
 def test_adopter_change_is_what_the_docs_say(up: drive.Upstream, figures: list[str]) -> None:
-    """The replaced statements, as CI applies them (printed; docs/ADOPTING.md lists the
-    same per release): one site in clear(), one in the transfer worker."""
+    """The replaced statements, as CI applies them to this release, are the ones
+    docs/ADOPTING.md lists for it (file, function, line range), and so are the dataclass
+    lines: the doc is checked against the installed code, statement for statement."""
+    doc = " ".join(ADOPTING.read_text(encoding="utf-8").split())
     how = drive.adoption(up, context="compat", clear=True, worker=True)
-    assert [r.function.rsplit(".", 1)[-1] for r in how.replacements] == [
-        "clear",
-        "transfer_worker",
-    ]
+    clear_rec, worker_rec = how.replacements
+    assert clear_rec.function.endswith(".clear") and worker_rec.function.endswith(
+        ".transfer_worker"
+    )
+    row = (
+        f"| {up.version} | `{clear_rec.file}` | `{clear_rec.function}` | "
+        f"{clear_rec.first_line}\u2013{clear_rec.last_line}:"
+    )
+    assert row in doc, f"docs/ADOPTING.md has no row {row!r}"
+    worker = f"{up.version} lines {worker_rec.first_line}\u2013{worker_rec.last_line}"
+    assert (
+        worker in doc
+        and "`NixlKVManager.transfer_worker` in `sglang/srt/disaggregation/nixl/conn.py`" in doc
+    )
+    class_line, first, last = _dataclass_lines(up)
+    assert f"{up.version} line {class_line}" in doc
+    assert f"{up.version} lines {first}\u2013{last}" in doc
     for rec in how.replacements:
         assert rec.lines_added == 1 and rec.lines_removed >= 2
         figures.append(f"adopter change: {rec.describe()}")
-    fields = [f for f in how.staging_class.__dataclass_fields__]
+    fields = list(how.staging_class.__dataclass_fields__)
     assert "prefetched_rooms" not in fields and "prefetch_requested" not in fields
     figures.append(
-        f"adopter change: {up.staging_class.__module__}.PrefillStagingContext -> "
-        f"dataclass on CompatStagingContext, fields {fields} (the two set fields dropped)"
+        f"adopter change: sglang/srt/disaggregation/common/staging_handler.py line {class_line} "
+        f"(class PrefillStagingContext gets the base CompatStagingContext), lines {first}-{last} "
+        f"(the two set fields and their comments) deleted; kept fields {fields}"
     )
+
+
+def _dataclass_lines(up: drive.Upstream) -> tuple[int, int, int]:
+    """The line of ``class PrefillStagingContext``, and the range from the comment above its
+    ``prefetch_requested`` field to its ``prefetched_rooms`` field, in the installed file."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(up.staging_class)
+    numbered = list(enumerate(lines, start))
+    class_line = next(n for n, text in numbered if text.startswith("class "))
+    first = next(n for n, text in numbered if text.strip().startswith("prefetch_requested:"))
+    while lines[first - 1 - start].strip().startswith("#"):
+        first -= 1
+    last = next(n for n, text in numbered if text.strip().startswith("prefetched_rooms:"))
+    return class_line, first, last
