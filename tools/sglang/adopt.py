@@ -130,14 +130,26 @@ def _find_sites(tree: ast.AST) -> list[_Site]:
             body = getattr(owner, field, None)
             if not isinstance(body, list):
                 continue
-            for i in range(len(body) - 1):
-                a, b = body[i], body[i + 1]
-                for first, second in ((a, b), (b, a)):
-                    discard = _discard_of_rooms(first)
-                    keys = _purge_of_keys(second)
-                    if discard and keys and ast.dump(discard[0]) == ast.dump(keys[0]):
-                        sites.append(_Site(body, i, owner, discard[0], discard[1], keys[1]))
+            i = 0
+            while i < len(body) - 1:
+                site = _pair(body, i, owner)
+                if site is not None:
+                    sites.append(site)
+                    i += 2  # a statement belongs to one pair at most
+                else:
+                    i += 1
     return sites
+
+
+def _pair(body: list[ast.stmt], i: int, owner: ast.AST) -> _Site | None:
+    """The purge pair made of ``body[i]`` and ``body[i + 1]`` (either order), if any."""
+    a, b = body[i], body[i + 1]
+    for first, second in ((a, b), (b, a)):
+        discard = _discard_of_rooms(first)
+        keys = _purge_of_keys(second)
+        if discard and keys and ast.dump(discard[0]) == ast.dump(keys[0]):
+            return _Site(body, i, owner, discard[0], discard[1], keys[1])
+    return None
 
 
 def _purge_stmt(site: _Site) -> ast.stmt:

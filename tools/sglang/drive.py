@@ -368,7 +368,8 @@ class RaceCounts:
 
     def line(self) -> str:
         return (
-            f"{self.runs} runs: 'Set changed size' in {self.runs_with_changed_size} runs "
+            f"{self.runs} runs (seeds 0..{self.runs - 1}): 'Set changed size' in "
+            f"{self.runs_with_changed_size} runs "
             f"({self.clear_calls_raised} clear() calls raised); resurrected rooms in "
             f"{self.runs_with_resurrected} runs ({self.resurrected_rooms} rooms); lost keys in "
             f"{self.runs_with_lost_keys} runs ({self.lost_keys} keys); other errors "
