@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export NIXL_LOG_LEVEL ?= WARN
 export PYTHONUNBUFFERED = 1
 
-.PHONY: setup test lint unit stress stress-quick bench bench-quick bench-curves bench-instructions clean mutants
+.PHONY: setup test lint unit stress stress-quick bench bench-quick bench-curves bench-instructions clean mutants sglang
 
 setup: $(STAMP)
 
@@ -57,3 +57,10 @@ clean:
 # subset; MUTANTS_ARGS=--list lists them (see --help). Report: build/mutants/report.json.
 mutants: $(STAMP)
 	$(PY) -m tools.mutants $(if $(MUTANTS),--only $(MUTANTS)) $(MUTANTS_ARGS)
+
+# Released SGLang as a client (not part of `make test`): a venv per release in build/sglang/
+# (tools/sglang/requirements-<release>.lock, installed --no-deps; torch, nixl and the tools come
+# from .venv through a .pth file), then tests/sglang in each. SGLANG_ARGS=--release 0.5.23 runs
+# one; --runs N sets the threaded runs per configuration (default 100); --rebuild remakes them.
+sglang: $(STAMP)
+	$(PY) -m tools.sglang $(SGLANG_ARGS)

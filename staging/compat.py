@@ -8,34 +8,50 @@ shape so that adopting the staging layer is a small diff:
 * ``ctx.prefetched_rooms`` and ``ctx.prefetch_requested`` are live
   :class:`collections.abc.MutableSet` views. ``x in view`` is O(1) and takes no lock (the
   same linearizable point read as :meth:`StagingContext.is_requested`); ``add``,
-  ``discard``, ``remove``, ``pop`` and ``clear`` are each one atomic write; iteration,
-  ``len``, comparisons and set algebra work on one consistent snapshot, so "Set changed
-  size during iteration" cannot happen.
+  ``discard``, ``remove``, ``pop`` and ``clear`` are each one atomic write; the ``set``
+  methods that take many elements (``update``, ``difference_update``,
+  ``intersection_update``, ``symmetric_difference_update`` and the in-place operators)
+  take the lock once for the whole update; iteration, ``len``, comparisons, ``copy`` and
+  set algebra work on one consistent snapshot, so "Set changed size during iteration"
+  cannot happen.
+* **As lenient as a set where that is safe.** Integer-like room ids and chunk indices
+  (anything with ``__index__``: ``numpy.int64``, ``numpy.int32``) and ``str`` subclasses
+  are normalised to exact ``int``/``str`` before the lock is taken. ``discard`` of
+  something that cannot be a member (wrong shape or type, a negative id) does nothing, as
+  ``set.discard`` does; an unhashable value raises ``TypeError``, as with a set. Still
+  refused, with a clear error: ``add`` of a non-key (a set would store anything hashable;
+  the views store only ``int`` rooms and ``(int, int, str)`` keys), ``bool`` ids (``True``
+  as a room id is a caller bug), and an empty session id (it names no decode peer, and
+  ``purge_session`` could never reach its keys).
 * Rebinding either attribute (``ctx.prefetch_requested = {k for k in ... if k[0] != room}``,
   the racy upstream purge) raises :class:`TypeError` telling you to call
   :meth:`CompatStagingContext.purge_room`, which removes the room from both views in one
   critical section, in O(keys of that room).
 * Rooms open implicitly on their first write; there is no ``open_room`` step.
-* **Tombstones.** A purged room id is remembered among the last ``tombstones`` purged ids;
-  a later ``add`` for it (a late worker) is *refused*: it returns normally, changes nothing
-  and counts in ``stats().refused_late_writes`` (``strict=True`` raises
-  :class:`~staging.errors.RoomPurgedError` instead). This is the id-based stand-in for the
-  generations of :class:`~staging.context.RoomHandle`. The trade-off: an id that is
-  *reused* while it is still among the last ``tombstones`` purges is refused too. Upstream
-  room ids are random 63-bit integers, so a legitimate reuse within 65,536 purges has a
-  probability of about 65,536 / 2**63 per room (about 7e-15); if your ids are small
-  counters that wrap, size the window below the wrap or use ``tombstones=0`` (off: a late
-  ``add`` then re-creates the room, as with bare sets).
+* **Tombstones and reused ids.** A purged room id is remembered among the last
+  ``tombstones`` purged ids; a later ``add`` for it (a late writer) is *refused*: it
+  returns normally, changes nothing and counts in ``stats().refused_late_writes``
+  (``strict=True`` raises :class:`~staging.errors.RoomPurgedError` instead). The first
+  refusal of each remembered id is also logged (logger ``staging.compat``, WARNING, after
+  the lock is released), because an id cannot tell a late writer from a *new* request
+  that reuses it. The decision: **a new request that may reuse an id says so** --
+  :meth:`CompatStagingContext.reopen_room` (call it where the request is admitted, before
+  anything writes for it) lifts the tombstone and drops whatever the id still holds, in
+  one critical section. Without that call the reused id is refused like a late writer.
+  ``tombstones=0`` turns the window off (a late ``add`` then re-creates the room, as with
+  bare sets). Generations (:class:`~staging.context.RoomHandle`) tell openings apart with
+  no window and no call; that is step 2 in ``docs/ADOPTING.md``.
 
-The full protection (generations instead of an id window, explicit open, batched writes)
-is :class:`~staging.context.StagingContext` with :class:`~staging.context.RoomHandle`;
-``docs/ADOPTING.md`` shows both migrations. Thread-safety contract: each method's docstring.
+Thread-safety contract: each method's docstring.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
+import operator
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, MutableSet
+from collections.abc import Callable, Iterable, Iterator, MutableSet, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Final, Generic, TypeVar
@@ -49,7 +65,7 @@ from staging.context import (
     next_generation,
 )
 from staging.locks import LockStats, MutexLock, RWLock
-from staging.validate import check_chunk_idx, check_index, check_room_id, check_session_id
+from staging.validate import check_index, check_session_id
 
 __all__ = [
     "DEFAULT_TOMBSTONES",
@@ -61,6 +77,9 @@ __all__ = [
 
 DEFAULT_TOMBSTONES = 65536
 """How many purged room ids a :class:`CompatStagingContext` remembers by default."""
+
+LOG: Final = logging.getLogger("staging.compat")
+"""Where the first refused write of each remembered id is logged (WARNING)."""
 
 _VIEW_NAMES: Final = frozenset({"prefetched_rooms", "prefetch_requested"})
 
@@ -74,7 +93,8 @@ class CompatStats:
 
     ``refused_late_writes`` counts every refused ``add`` (a room among the tombstones);
     ``tombstones`` is how many purged ids are remembered now, at most
-    ``tombstone_capacity``.
+    ``tombstone_capacity``; ``reopens`` counts :meth:`CompatStagingContext.reopen_room`
+    calls that lifted a tombstone or dropped leftover state.
     """
 
     open_rooms: int
@@ -85,7 +105,104 @@ class CompatStats:
     refused_late_writes: int
     tombstones: int
     tombstone_capacity: int
+    reopens: int
     lock: LockStats
+
+
+# ---------------------------------------------------------------------- element checks
+# All of them run before any lock is taken: __index__ and str.__str__ of a subclass may be
+# user code, which must never run under the context's lock.
+
+
+def _plain_index(value: object, what: str, bools: bool = False) -> int:
+    """An id or index as an exact ``int`` >= 0: ``int``, or anything with ``__index__``
+    (``numpy.int64``); ``bool`` only if ``bools`` (then as 0/1). Raises: TypeError,
+    ValueError."""
+    if type(value) is int and value >= 0:  # the hot path
+        return value
+    if isinstance(value, bool) and not bools:
+        raise TypeError(f"{what} must be an int >= 0, got bool {value!r}")
+    try:
+        plain = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"{what} must be an int >= 0 (or an integer such as numpy.int64), "
+            f"got {type(value).__name__} {value!r}"
+        ) from None
+    plain = int.__index__(plain)  # int's own slot: an exact int
+    if plain < 0:
+        raise ValueError(f"{what} must be >= 0, got {plain}")
+    return plain
+
+
+def _room_id(value: object, bools: bool = False) -> int:
+    """A room id (lenient). Raises: TypeError, ValueError."""
+    return _plain_index(value, "room", bools)
+
+
+def _key(value: object, bools: bool = False) -> PrefetchKey:
+    """A ``(room, chunk_idx, session_id)`` key (lenient). Raises: TypeError, ValueError."""
+    if type(value) is tuple and len(value) == 3:
+        room, chunk_idx, session_id = value
+        if (  # the hot path
+            type(room) is int
+            and type(chunk_idx) is int
+            and type(session_id) is str
+            and room >= 0
+            and chunk_idx >= 0
+            and session_id
+        ):
+            return value
+    elif not isinstance(value, tuple) or len(value) != 3:
+        raise TypeError(
+            f"prefetch_requested holds (room, chunk_idx, session_id) tuples, got {value!r}"
+        )
+    room, chunk_idx, session_id = tuple(value)
+    return (
+        _plain_index(room, "room", bools),
+        _plain_index(chunk_idx, "chunk_idx", bools),
+        check_session_id(session_id),
+    )
+
+
+def _maybe(check: Callable[[object, bool], T], value: object, sets: bool = True) -> T | None:
+    """The member ``value`` would be, for ``discard``/``remove``: ``None`` when it cannot be
+    one (what ``discard`` of a non-member does with a set: nothing). As with a set, an
+    unhashable value raises (``set.discard`` and ``set.remove``, but not
+    ``set.difference_update``, look a ``set`` up as a ``frozenset``: ``sets``), and ``True`` finds
+    what ``1`` finds (``True == 1``; only ``add`` refuses bools).
+
+    Raises:
+        TypeError: ``value`` is unhashable.
+    """
+    if sets and isinstance(value, set):
+        value = frozenset(value)
+    hash(value)
+    try:
+        return check(value, True)
+    except (TypeError, ValueError):
+        return None
+
+
+class _Refusal(enum.Enum):
+    """Why :meth:`_CompatCore._room_for_write` gave no room."""
+
+    QUIET = 0  # refused, already logged for this tombstone
+    LOG = 1  # refused, the first time for this tombstone: log it (after the lock)
+
+
+def _log_refusals(rooms: Iterable[int], window: int) -> None:
+    """Log the first refusal of each id. Called with no lock held."""
+    for room in rooms:
+        LOG.warning(
+            "refused a write for room %d: it was purged and its id is among the last %d "
+            "purged ids, so this is taken for a late writer. If a new request reuses this "
+            "id, call reopen_room(%d) where it is admitted. Later refusals for this id are "
+            "only counted (stats().refused_late_writes).",
+            room,
+            window,
+            room,
+        )
 
 
 class _CompatCore(StagingContext):
@@ -94,7 +211,8 @@ class _CompatCore(StagingContext):
     Every method here runs one critical section of the inherited lock and keeps the
     invariants of the base class (per-room key sets mutated only by single atomic calls
     while the room is in ``_rooms``, the session reverse index, the counters), so the
-    base class's lock-free point reads stay linearizable.
+    base class's lock-free point reads stay linearizable. Callers pass checked, exact
+    elements (the views check them before calling).
     """
 
     def __init__(
@@ -108,27 +226,36 @@ class _CompatCore(StagingContext):
     ) -> None:
         super().__init__(lock=lock, lock_timeout=lock_timeout, debug=debug, strict=strict)
         self._tombstone_capacity = tombstones
-        # Guarded by _lock: the last purged room ids, oldest first (an ordered set).
-        self._tombstones: OrderedDict[int, None] = OrderedDict()
+        # Guarded by _lock: the last purged room ids, oldest first (an ordered set); the
+        # value says whether a refused write for that id was logged already. Invariant: a
+        # room id is never open and tombstoned at once (purge closes and tombstones in one
+        # critical section; reopen_room lifts the tombstone; a tombstoned id never opens).
+        self._tombstones: OrderedDict[int, bool] = OrderedDict()
+        self._reopens = 0  # guarded by _lock
 
     # ---------------------------------------------------------------- under the write lock
 
-    def _room_for_write(self, room: int) -> _Room | None:
-        """The open room, opening it if needed; ``None`` (refused) if it is tombstoned.
+    def _room_for_write(self, room: int) -> _Room | _Refusal:
+        """The open room, opening it if needed; a :class:`_Refusal` if it is tombstoned.
 
         Caller holds the write lock. Raises: RoomPurgedError (strict mode).
         """
         state = self._rooms.get(room)
         if state is not None:
             return state
-        if room in self._tombstones:
+        logged = self._tombstones.get(room)
+        if logged is not None:
             self._refuse(
                 room,
                 None,
                 f" (it was purged; its id is among the last {self._tombstone_capacity} "
-                "purged ids, so this is a late write)",
+                "purged ids, so this is a late write; a new request that reuses the id "
+                "calls reopen_room first)",
             )
-            return None
+            if logged:
+                return _Refusal.QUIET
+            self._tombstones[room] = True
+            return _Refusal.LOG
         state = _Room(next_generation())
         self._rooms[room] = state
         self._rooms_opened += 1
@@ -141,32 +268,171 @@ class _CompatCore(StagingContext):
         if not state.requests and not state.prefetched:
             del self._rooms[room]
 
-    # ---------------------------------------------------------------- prefetch_requested
+    def _check_batch_strict(self, rooms: Iterable[int]) -> None:
+        """Strict mode: refuse a whole batch (before any change) if one of its rooms would
+        be refused. Caller holds the write lock. Raises: RoomPurgedError."""
+        if not self._strict:
+            return
+        for room in rooms:
+            if room not in self._rooms and room in self._tombstones:
+                self._room_for_write(room)  # counts and raises
+
+    # The per-element bodies, shared by the single and the batched writes. Each returns
+    # True if it changed something, False if not, or the refusal. Caller holds the lock.
+
+    def _add_key_locked(self, key: PrefetchKey) -> bool | _Refusal:
+        room, chunk_idx, session_id = key
+        state = self._room_for_write(room)
+        if isinstance(state, _Refusal):
+            return state
+        pair = (chunk_idx, session_id)
+        if pair in state.requests:
+            return False
+        state.requests.add(pair)
+        self._add_session_ref(session_id, room)
+        self._requested_keys += 1
+        return True
+
+    def _discard_key_locked(self, key: PrefetchKey) -> bool:
+        room, chunk_idx, session_id = key
+        state = self._rooms.get(room)
+        pair = (chunk_idx, session_id)
+        if state is None or pair not in state.requests:
+            return False
+        state.requests.remove(pair)
+        self._drop_session_ref(session_id, room)
+        self._requested_keys -= 1
+        self._close_if_empty(room, state)
+        return True
+
+    def _has_key(self, key: PrefetchKey) -> bool:
+        state = self._rooms.get(key[0])
+        return state is not None and (key[1], key[2]) in state.requests
+
+    def _add_mark_locked(self, room: int) -> bool | _Refusal:
+        state = self._room_for_write(room)
+        if isinstance(state, _Refusal):
+            return state
+        if state.prefetched:
+            return False
+        state.prefetched = True
+        self._prefetched_count += 1
+        return True
+
+    def _discard_mark_locked(self, room: int) -> bool:
+        state = self._rooms.get(room)
+        if state is None or not state.prefetched:
+            return False
+        state.prefetched = False
+        self._prefetched_count -= 1
+        self._close_if_empty(room, state)
+        return True
+
+    def _has_mark(self, room: int) -> bool:
+        state = self._rooms.get(room)
+        return state is not None and state.prefetched
+
+    # ---------------------------------------------------------------- single writes
 
     def add_request(self, room: int, chunk_idx: int, session_id: str) -> bool:
-        """Test-and-add one key, opening the room if needed. Write lock; atomic."""
-        key = (chunk_idx, session_id)
+        """Test-and-add one key, opening the room if needed. Write lock; atomic.
+
+        Raises: RoomPurgedError (strict mode, tombstoned room)."""
         with self._lock.write():
-            state = self._room_for_write(room)
-            if state is None or key in state.requests:
-                return False
-            state.requests.add(key)
-            self._add_session_ref(session_id, room)
-            self._requested_keys += 1
-            return True
+            done = self._add_key_locked((room, chunk_idx, session_id))
+        if done is _Refusal.LOG:
+            _log_refusals((room,), self._tombstone_capacity)
+        return done is True
 
     def discard_request(self, room: int, chunk_idx: int, session_id: str) -> bool:
         """Remove one key if present (never refused, never opens). Write lock; atomic."""
-        key = (chunk_idx, session_id)
         with self._lock.write():
-            state = self._rooms.get(room)
-            if state is None or key not in state.requests:
-                return False
-            state.requests.remove(key)
-            self._drop_session_ref(session_id, room)
-            self._requested_keys -= 1
-            self._close_if_empty(room, state)
-            return True
+            return self._discard_key_locked((room, chunk_idx, session_id))
+
+    def add_prefetched(self, room: int) -> bool:
+        """Mark the room prefetched, opening it if needed. Write lock; atomic.
+
+        Raises: RoomPurgedError (strict mode, tombstoned room)."""
+        with self._lock.write():
+            done = self._add_mark_locked(room)
+        if done is _Refusal.LOG:
+            _log_refusals((room,), self._tombstone_capacity)
+        return done is True
+
+    def discard_prefetched(self, room: int) -> bool:
+        """Unmark the room if marked (never refused, never opens). Write lock; atomic."""
+        with self._lock.write():
+            return self._discard_mark_locked(room)
+
+    # ---------------------------------------------------------------- batched writes
+
+    def write_many(
+        self,
+        rooms_view: bool,
+        *,
+        adds: Sequence[Any] = (),
+        discards: Sequence[Any] = (),
+        toggles: Sequence[Any] = (),
+        keep: AbstractSet[Any] | None = None,
+    ) -> int:
+        """One critical section for a whole set update of one view: first ``discards``,
+        then (``keep``) every element not in ``keep`` is discarded, then ``adds``, then
+        each of ``toggles`` is discarded if present, else added. Elements are checked,
+        exact keys (or room ids when ``rooms_view``). Returns how many were added.
+        Write lock; atomic as a whole.
+
+        Raises:
+            RoomPurgedError: strict mode and an added element's room is tombstoned
+                (nothing changed).
+        """
+        add: Callable[[Any], bool | _Refusal]
+        discard: Callable[[Any], bool]
+        has: Callable[[Any], bool]
+        if rooms_view:
+            add, discard, has = self._add_mark_locked, self._discard_mark_locked, self._has_mark
+        else:
+            add, discard, has = self._add_key_locked, self._discard_key_locked, self._has_key
+        added = 0
+        to_log: list[int] = []
+        with self._lock.write():
+            if self._strict:
+                self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
+            for item in discards:
+                discard(item)
+            if keep is not None:
+                for item in list(self._items_locked(rooms_view)):
+                    if item not in keep:
+                        discard(item)
+            for item in adds:
+                done = add(item)
+                if done is True:
+                    added += 1
+                elif done is _Refusal.LOG:
+                    to_log.append(item if rooms_view else item[0])
+            for item in toggles:
+                if has(item):
+                    discard(item)
+                    continue
+                done = add(item)
+                if done is True:
+                    added += 1
+                elif done is _Refusal.LOG:
+                    to_log.append(item if rooms_view else item[0])
+        _log_refusals(to_log, self._tombstone_capacity)
+        return added
+
+    def _items_locked(self, rooms_view: bool) -> Iterator[Any]:
+        """Every element of one view. Caller holds the lock (and materialises it before
+        mutating)."""
+        if rooms_view:
+            return (room for room, state in self._rooms.items() if state.prefetched)
+        return (
+            (room, chunk_idx, session)
+            for room, state in self._rooms.items()
+            for chunk_idx, session in state.requests
+        )
+
+    # ---------------------------------------------------------------- pop, clear, reads
 
     def pop_request(self) -> PrefetchKey:
         """Remove and return some key. Write lock; atomic. Raises: KeyError (empty)."""
@@ -203,29 +469,6 @@ class _CompatCore(StagingContext):
         """Number of keys, under the read lock."""
         with self._lock.read():
             return self._requested_keys
-
-    # ---------------------------------------------------------------- prefetched_rooms
-
-    def add_prefetched(self, room: int) -> bool:
-        """Mark the room prefetched, opening it if needed. Write lock; atomic."""
-        with self._lock.write():
-            state = self._room_for_write(room)
-            if state is None or state.prefetched:
-                return False
-            state.prefetched = True
-            self._prefetched_count += 1
-            return True
-
-    def discard_prefetched(self, room: int) -> bool:
-        """Unmark the room if marked (never refused, never opens). Write lock; atomic."""
-        with self._lock.write():
-            state = self._rooms.get(room)
-            if state is None or not state.prefetched:
-                return False
-            state.prefetched = False
-            self._prefetched_count -= 1
-            self._close_if_empty(room, state)
-            return True
 
     def pop_prefetched(self) -> int:
         """Unmark and return some prefetched room. Write lock; atomic.
@@ -264,7 +507,7 @@ class _CompatCore(StagingContext):
         with self._lock.read():
             return self._prefetched_count
 
-    # ---------------------------------------------------------------- purge and stats
+    # ---------------------------------------------------------------- purge and reopen
 
     def purge_and_tombstone(self, room: int) -> RoomPurge:
         """Purge the room (both views) and remember its id, in ONE critical section that
@@ -275,10 +518,23 @@ class _CompatCore(StagingContext):
                 tombstones = self._tombstones
                 if room in tombstones:
                     tombstones.move_to_end(room)
+                    tombstones[room] = False  # a new purge: its first refusal logs again
                 else:
-                    tombstones[room] = None
+                    tombstones[room] = False
                     if len(tombstones) > self._tombstone_capacity:
                         tombstones.popitem(last=False)
+            return result
+
+    def reopen(self, room: int) -> RoomPurge:
+        """Lift the room's tombstone and drop what the id holds, in ONE critical section
+        that never times out. Write lock; atomic."""
+        with self._lock.write_untimed():
+            lifted = self._tombstones.pop(room, None) is not None
+            result = self._purge_locked(room, None)
+            if result.was_open:
+                self._purges -= 1  # not a purge of a finished request: counted as a reopen
+            if lifted or result.was_open:
+                self._reopens += 1
             return result
 
     def compat_stats(self) -> CompatStats:
@@ -293,6 +549,7 @@ class _CompatCore(StagingContext):
                 refused_late_writes=self._refused,
                 tombstones=len(self._tombstones),
                 tombstone_capacity=self._tombstone_capacity,
+                reopens=self._reopens,
                 lock=self._lock.stats(),
             )
 
@@ -309,17 +566,31 @@ def _frozen(other: object) -> frozenset[Any] | None:
     return None
 
 
+def _all(others: tuple[Iterable[Any], ...]) -> list[Any]:
+    """The elements of several iterables, one snapshot each for a view."""
+    out: list[Any] = []
+    for other in others:
+        out.extend(other.snapshot() if isinstance(other, _SetView) else other)
+    return out
+
+
 class _SetView(MutableSet[T], Generic[T]):
     """The behaviour both views share: writes go through the context, every whole-set
-    operation reads one snapshot. Subclasses provide ``__contains__`` (lock-free) and the
-    hooks."""
+    operation reads one snapshot. Subclasses provide ``__contains__`` (lock-free), the
+    element check and the hooks."""
 
     __slots__ = ("_core",)
+    _ROOMS: bool = False  # which view of the core (the batched writes need to know)
 
     def __init__(self, core: _CompatCore) -> None:
         self._core = core
 
     # hooks ---------------------------------------------------------------------------
+    def _check(self, value: object, bools: bool = False) -> T:
+        """``value`` as an exact element (``bools``: ``True``/``False`` read as 1/0, for
+        lookups). Raises: TypeError, ValueError."""
+        raise NotImplementedError
+
     def _test_and_add(self, item: T) -> bool:
         raise NotImplementedError
 
@@ -334,13 +605,15 @@ class _SetView(MutableSet[T], Generic[T]):
     def add(self, value: T) -> None:
         """Add ``value`` (opening its room if needed). Thread-safe; write lock; atomic.
 
-        A room among the recent purges is refused: nothing changes, ``stats()`` counts it.
+        A room among the recent purges is refused: nothing changes, ``stats()`` counts it
+        (and the first refusal of each such id is logged).
 
         Raises:
-            TypeError, ValueError: ``value`` is malformed.
+            TypeError, ValueError: ``value`` is malformed (numpy integers and ``str``
+                subclasses are accepted and normalised).
             RoomPurgedError: strict mode, and the room was purged recently.
         """
-        self._test_and_add(value)
+        self._test_and_add(self._check(value))
 
     def test_and_add(self, value: T) -> bool:
         """Add ``value``; ``True`` only if it was not there and was added (the atomic
@@ -350,30 +623,126 @@ class _SetView(MutableSet[T], Generic[T]):
             TypeError, ValueError: ``value`` is malformed.
             RoomPurgedError: strict mode, and the room was purged recently.
         """
-        return self._test_and_add(value)
+        return self._test_and_add(self._check(value))
 
-    def discard(self, value: T) -> None:
+    def discard(self, value: object) -> None:
         """Remove ``value`` if present. Thread-safe; write lock; atomic; never refused.
 
-        Raises:
-            TypeError, ValueError: ``value`` is malformed.
-        """
-        self._discard(value)
+        Like ``set.discard``, a value that cannot be a member (wrong type or shape, a
+        negative id) is simply not there: nothing happens.
 
-    def remove(self, value: T) -> None:
+        Raises:
+            TypeError: ``value`` is unhashable (as with a set).
+        """
+        item = _maybe(self._check, value)
+        if item is not None:
+            self._discard(item)
+
+    def remove(self, value: object) -> None:
         """Remove ``value``. Thread-safe; write lock; atomic (one check-and-remove).
 
         Raises:
-            KeyError: ``value`` was not there.
-            TypeError, ValueError: ``value`` is malformed.
+            KeyError: ``value`` was not there (also for a value that cannot be a member).
+            TypeError: ``value`` is unhashable.
         """
-        if not self._discard(value):
+        item = _maybe(self._check, value)
+        if item is None or not self._discard(item):
             raise KeyError(value)
+
+    def update(self, *others: Iterable[T]) -> None:
+        """Add every element of ``others``, taking the write lock ONCE for the whole update
+        (atomic: lock-free readers see each element appear, locked readers all or none).
+        Elements of a recently purged room are refused (counted), the rest are added.
+
+        Raises:
+            TypeError, ValueError: an element is malformed (checked before any change).
+            RoomPurgedError: strict mode, and an element's room was purged recently
+                (nothing is added).
+        """
+        items = [self._check(x) for x in _all(others)]
+        if items:
+            self._core.write_many(self._ROOMS, adds=items)
+
+    def difference_update(self, *others: Iterable[Any]) -> None:
+        """Remove every element of ``others`` (non-members are ignored, as with a set);
+        write lock taken ONCE; atomic. Thread-safe.
+
+        Raises:
+            TypeError: an element is unhashable.
+        """
+        maybe = (_maybe(self._check, x, sets=False) for x in _all(others))
+        items = [item for item in maybe if item is not None]
+        if items:
+            self._core.write_many(self._ROOMS, discards=items)
+
+    def intersection_update(self, *others: Iterable[Any]) -> None:
+        """Keep only the elements that are in every one of ``others``; write lock taken
+        ONCE; atomic (decided against the set as it is inside that critical section).
+        Thread-safe.
+
+        Raises:
+            TypeError: an element is unhashable.
+        """
+        keep: frozenset[Any] | None = None
+        for other in others:
+            these = _frozen(other)
+            if these is None:
+                raise TypeError(f"intersection_update needs iterables, got {other!r}")
+            keep = these if keep is None else keep & these
+        if keep is not None:
+            self._core.write_many(self._ROOMS, keep=keep)
+
+    def symmetric_difference_update(self, other: Iterable[T]) -> None:
+        """Remove the elements of ``other`` that are present and add those that are not;
+        write lock taken ONCE; atomic. Adds to a recently purged room are refused.
+        Thread-safe.
+
+        Raises:
+            TypeError, ValueError: an element is malformed (checked before any change).
+            RoomPurgedError: strict mode, and an element to add is of a recently purged
+                room (nothing changes).
+        """
+        items = list(dict.fromkeys(self._check(x) for x in _all((other,))))
+        if items:
+            self._core.write_many(self._ROOMS, toggles=items)
+
+    def __ior__(self, other: AbstractSet[Any]) -> _SetView[T]:  # type: ignore[misc]
+        """``view |= other``: :meth:`update` (one lock acquisition). Thread-safe.
+
+        Raises: as :meth:`update`."""
+        self.update(other)
+        return self
+
+    def __isub__(self, other: AbstractSet[Any]) -> _SetView[T]:
+        """``view -= other``: :meth:`difference_update` (one lock acquisition).
+
+        Raises: as :meth:`difference_update`."""
+        self.difference_update(other)
+        return self
+
+    def __iand__(self, other: AbstractSet[Any]) -> _SetView[T]:
+        """``view &= other``: :meth:`intersection_update` (one lock acquisition).
+
+        Raises: as :meth:`intersection_update`."""
+        self.intersection_update(other)
+        return self
+
+    def __ixor__(self, other: AbstractSet[Any]) -> _SetView[T]:  # type: ignore[misc]
+        """``view ^= other``: :meth:`symmetric_difference_update` (one lock acquisition).
+
+        Raises: as :meth:`symmetric_difference_update`."""
+        self.symmetric_difference_update(other)
+        return self
 
     # whole-set reads: one snapshot each -----------------------------------------------
     def __iter__(self) -> Iterator[T]:
         """Iterate over one snapshot (later changes are not seen). Thread-safe; read lock."""
         return iter(self.snapshot())
+
+    def copy(self) -> set[T]:
+        """A plain, detached ``set`` of one snapshot (as ``set.copy``). Thread-safe; read
+        lock; O(n)."""
+        return set(self.snapshot())
 
     @classmethod
     def _from_iterable(cls, it: Iterable[S]) -> frozenset[S]:
@@ -428,9 +797,34 @@ class _SetView(MutableSet[T], Generic[T]):
 
     __rxor__ = __xor__
 
+    # The named set methods take any iterables, like set's (the operators need sets).
     def isdisjoint(self, other: Iterable[Any]) -> bool:
         """``True`` if no element of ``other`` is in one snapshot. Thread-safe; read lock."""
         return self.snapshot().isdisjoint(other)
+
+    def issubset(self, other: Iterable[Any]) -> bool:
+        """One snapshot ``<=`` ``other``. Thread-safe; read lock."""
+        return self.snapshot().issubset(other)
+
+    def issuperset(self, other: Iterable[Any]) -> bool:
+        """One snapshot ``>=`` ``other``. Thread-safe; read lock."""
+        return self.snapshot().issuperset(other)
+
+    def union(self, *others: Iterable[S]) -> frozenset[T | S]:
+        """One snapshot ``|`` every one of ``others``, as a frozenset. Thread-safe."""
+        return self.snapshot().union(*others)
+
+    def intersection(self, *others: Iterable[Any]) -> frozenset[T]:
+        """One snapshot ``&`` every one of ``others``, as a frozenset. Thread-safe."""
+        return self.snapshot().intersection(*others)
+
+    def difference(self, *others: Iterable[Any]) -> frozenset[T]:
+        """One snapshot minus every one of ``others``, as a frozenset. Thread-safe."""
+        return self.snapshot().difference(*others)
+
+    def symmetric_difference(self, other: Iterable[S]) -> frozenset[T | S]:
+        """One snapshot ``^`` ``other``, as a frozenset. Thread-safe."""
+        return self.snapshot().symmetric_difference(other)
 
     def __repr__(self) -> str:
         items = sorted(self.snapshot(), key=repr)
@@ -447,6 +841,7 @@ class PrefetchedRoomsView(_SetView[int]):
     """
 
     __slots__ = ("_get",)
+    _ROOMS = True
 
     def __init__(self, core: _CompatCore) -> None:
         super().__init__(core)
@@ -462,11 +857,14 @@ class PrefetchedRoomsView(_SetView[int]):
         """Prefetched rooms now. Thread-safe; read lock; O(1)."""
         return self._core.prefetched_len()
 
+    def _check(self, value: object, bools: bool = False) -> int:
+        return _room_id(value, bools)
+
     def _test_and_add(self, item: int) -> bool:
-        return self._core.add_prefetched(check_room_id(item))
+        return self._core.add_prefetched(item)
 
     def _discard(self, item: int) -> bool:
-        return self._core.discard_prefetched(check_room_id(item))
+        return self._core.discard_prefetched(item)
 
     def pop(self) -> int:
         """Unmark and return some prefetched room. Thread-safe; write lock; atomic.
@@ -483,16 +881,6 @@ class PrefetchedRoomsView(_SetView[int]):
     def snapshot(self) -> frozenset[int]:
         """Frozen copy under one read lock. Thread-safe; O(open rooms)."""
         return self._core.prefetched_snapshot()
-
-
-def _check_key(key: object) -> PrefetchKey:
-    """A ``(room, chunk_idx, session_id)`` key. Raises: TypeError, ValueError."""
-    if not isinstance(key, tuple) or len(key) != 3:
-        raise TypeError(
-            f"prefetch_requested holds (room, chunk_idx, session_id) tuples, got {key!r}"
-        )
-    room, chunk_idx, session_id = key
-    return check_room_id(room), check_chunk_idx(chunk_idx), check_session_id(session_id)
 
 
 class PrefetchRequestedView(_SetView[PrefetchKey]):
@@ -513,7 +901,8 @@ class PrefetchRequestedView(_SetView[PrefetchKey]):
     def __contains__(self, key: object) -> bool:
         """O(1), no lock; linearizable (same argument as ``StagingContext.is_requested``).
 
-        Like a set, a non-key (wrong shape) is simply not a member.
+        Like a set, a non-key (wrong shape) is simply not a member; elements that compare
+        and hash equal (``numpy.int64(5)`` and ``5``) match.
         """
         if type(key) is tuple and len(key) == 3:  # the hot path: one branch
             state = self._get(key[0])
@@ -526,11 +915,14 @@ class PrefetchRequestedView(_SetView[PrefetchKey]):
         """Keys now. Thread-safe; read lock; O(1)."""
         return self._core.requested_len()
 
+    def _check(self, value: object, bools: bool = False) -> PrefetchKey:
+        return _key(value, bools)
+
     def _test_and_add(self, item: PrefetchKey) -> bool:
-        return self._core.add_request(*_check_key(item))
+        return self._core.add_request(*item)
 
     def _discard(self, item: PrefetchKey) -> bool:
-        return self._core.discard_request(*_check_key(item))
+        return self._core.discard_request(*item)
 
     def pop(self) -> PrefetchKey:
         """Remove and return some key. Thread-safe; write lock; atomic.
@@ -552,7 +944,7 @@ class PrefetchRequestedView(_SetView[PrefetchKey]):
 
 class CompatStagingContext:
     """Staging prefetch state shaped like the upstream two sets, safe to share between
-    threads. See the module docstring for the semantics and the tombstone trade-off.
+    threads. See the module docstring for the semantics, the tombstones and reused ids.
 
     Args:
         lock: ``"mutex"`` (default; the rule under the GIL) or ``"rw"``.
@@ -566,7 +958,13 @@ class CompatStagingContext:
         debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
 
     Rebinding ``prefetched_rooms`` or ``prefetch_requested`` raises :class:`TypeError`
-    (call :meth:`purge_room`); augmented assignment (``|=``, ``-=``) works in place.
+    (call :meth:`purge_room`); augmented assignment (``|=``, ``-=``, ``&=``, ``^=``) works in
+    place, one lock acquisition each.
+
+    A subclass may be a dataclass (an engine's own staging dataclass with the two set
+    fields dropped): its generated ``__init__`` runs first, then its ``__post_init__`` must
+    call ``CompatStagingContext.__init__(self, ...)``; until then the views do not exist.
+    ``docs/ADOPTING.md`` shows it and its side effects on ``repr`` and ``==``.
 
     Raises:
         TypeError, ValueError: bad arguments (as :class:`StagingContext`; ``tombstones``
@@ -620,13 +1018,30 @@ class CompatStagingContext:
         """Remove ``room`` from both views at one instant and remember its id (tombstone).
 
         After it returns, an ``add`` for the room is refused while the id is among the last
-        ``tombstones`` purges. Idempotent (a second purge returns ``was_open=False``). Cost
-        O(keys of that room). Thread-safe; write lock; atomic; never times out.
+        ``tombstones`` purges (until :meth:`reopen_room`). Idempotent (a second purge
+        returns ``was_open=False``). Cost O(keys of that room). Thread-safe; write lock;
+        atomic; never times out.
 
         Raises:
-            TypeError, ValueError: ``room`` is not an ``int`` >= 0.
+            TypeError, ValueError: ``room`` is not an integer >= 0 (numpy integers are
+                accepted).
         """
-        return self._core.purge_and_tombstone(check_room_id(room))
+        return self._core.purge_and_tombstone(_room_id(room))
+
+    def reopen_room(self, room: int) -> RoomPurge:
+        """A *new* request starts with the id ``room``: lift its tombstone and drop what the
+        id still holds, at one instant. Returns what was dropped (``was_open=False`` when the
+        id held nothing, the usual case).
+
+        Call it where the new request is admitted, before anything writes for it. After it,
+        writes for the id are accepted again -- a late writer of the earlier request too,
+        which an id cannot tell apart (a :class:`~staging.context.RoomHandle` can).
+        Thread-safe; write lock; atomic; never times out.
+
+        Raises:
+            TypeError, ValueError: ``room`` is not an integer >= 0.
+        """
+        return self._core.reopen(_room_id(room))
 
     def purge_session(self, session_id: str) -> frozenset[int]:
         """Drop a dead decode peer's keys from every room; return the rooms that had any
