@@ -72,8 +72,9 @@ def scan_pages(pages: npt.NDArray[np.int64], *, unique: bool) -> tuple[int, int,
     reduction costs 3-4 us on these VMs, more than the Python around it).
 
     ``hi`` is the largest page. ``lo`` is the smallest page when one is negative, else a
-    lower bound >= 0 (up to 32 pages: the smallest page). ``repeats`` (only looked for with ``unique``; else ``False``): a page
-    occurs twice. Strictly increasing pages (the common case) need one comparison and one
+    lower bound >= 0 (up to 32 pages: the smallest page). ``repeats`` (only looked for with
+    ``unique``; else ``False``): a page occurs twice. Up to 32 pages the list is scanned in
+    Python. Otherwise, strictly increasing pages (the common case) need one comparison and one
     count: they are distinct and their ends bound them. Otherwise one reduction of an
     unsigned view finds the largest (a negative page becomes a huge one), and ``unique``
     sorts; the exact smallest and largest are computed only when a page is negative.
