@@ -146,16 +146,17 @@ MUTANTS: tuple[Mutant, ...] = (
         original="""\
         with self.lock.write_untimed():
             self.closing = True
-            return [e.handle for e in self.rooms.values()]""",
+            for entry in self.rooms.values():  # a plain loop: DPOR traces it precisely
+                handles.append(entry.handle)""",
         replacement="""\
         with self.lock.write_untimed():
-            handles = [e.handle for e in self.rooms.values()]
-        self.closing = True  # MUTANT: set after the open rooms were listed
-        return handles""",
+            for entry in self.rooms.values():
+                handles.append(entry.handle)
+        self.closing = True  # MUTANT: set after the open rooms were listed""",
         kind="race",
         description="defect 7: open_room checks a flag close() sets after snapshotting the "
         "open rooms: a room opened in between survives close()",
-        tests=SENDER_TESTS,
+        tests=(*SENDER_TESTS, DPOR_PURGE),
         stress=SENDER_STRESS,
     ),
     Mutant(
