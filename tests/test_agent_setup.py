@@ -216,9 +216,11 @@ print("PUBLISHED", " ".join(a for a in sys.argv[2:] if socket.inet_aton(a) in bl
 """
 
 
-def _in_netns(link: netns.TwoHostLink, *args: str, env: dict[str, str]) -> str:
+def _in_netns(link: netns.TwoHostLink | None, *args: str, env: dict[str, str]) -> str:
+    """Run ``python -c ARGS`` inside ``link``'s namespace (``None``: this one)."""
+    prefix = [] if link is None else link.exec_prefix()
     proc = subprocess.run(
-        [*link.exec_prefix(), sys.executable, "-c", *args],
+        [*prefix, sys.executable, "-c", *args],
         env={**env, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"},
         capture_output=True,
         text=True,
@@ -250,6 +252,25 @@ def test_a_confined_agent_publishes_no_address_but_loopback() -> None:
         unconfined = _in_netns(link, _PROBE, "plain", link.peer_addr, env=env)
     assert _published(confined) == [], confined
     assert _published(unconfined) == [link.peer_addr], unconfined
+
+
+@requires_nixl
+@pytest.mark.nixl
+@pytest.mark.timeout(120)
+def test_a_two_host_sender_publishes_its_own_veth_only() -> None:
+    """With two topologies up (two two-host runs side by side), a sender agent made with
+    its link's environment publishes its own veth's address and not the other's; an
+    unconfined agent publishes both (the interference of two runs, seen here)."""
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no network namespace here: {reason}")
+    with netns.two_host_link() as mine, netns.two_host_link() as other:
+        addrs = (mine.host_addr, other.host_addr)
+        confined = _in_netns(None, _PROBE, "plain", *addrs, env=netns.child_env(mine))
+        plain = {k: v for k, v in netns.child_env(mine).items() if k != "UCX_NET_DEVICES"}
+        unconfined = _in_netns(None, _PROBE, "plain", *addrs, env=plain)
+    assert _published(confined) == [mine.host_addr], confined
+    assert _published(unconfined) == list(addrs), unconfined
 
 
 _CREATOR = r"""
