@@ -26,6 +26,7 @@ from stress.scenarios._sender_rig import (
     SENDER_INVARIANTS,
     TRANSFER_TIMEOUT_S,
     SenderRig,
+    peer_start_bound,
     sender_rig,
 )
 
@@ -55,7 +56,7 @@ class PeerFaults:
                     kill_to_failed.append(o.concluded_at - at)
                     break
 
-        with sender_rig(config, SESSIONS, PEER_PAGES) as rig:
+        with sender_rig(config, SESSIONS, PEER_PAGES, monitor=monitor) as rig:
             monitor.restart_clock()  # the duration counts from here, not from peer start-up
             faults = {"kill": 0, "stop": 0, "restart_failures": 0}
             monitor.spawn(rig.scheduler(monitor, on_outcome), "scheduler")
@@ -118,7 +119,10 @@ class PeerFaults:
                     rig.audit.peer_reset(sid, kills[-1])  # its pages are gone with it
                     faults["kill"] += 1
                     time.sleep(0.2)
-                    with rig.peer_lock:
+                    # The scheduler waits on peer_lock for its page reads meanwhile: a long
+                    # step, bounded by the peer's own start timeout.
+                    bound = peer_start_bound(monitor)
+                    with monitor.long_step(f"restart {sid}", bound), rig.peer_lock:
                         rig.tx.remove_peer(sid)
                         try:
                             peer.restart()

@@ -589,7 +589,11 @@ class SenderAudit:
         phases = selected_phases()
         seconds = max(MIN_PHASE_S, monitor.duration_s / len(phases))
         with sender_rig(
-            config, (SESSION,), PEER_PAGES, extra_pools={STARVED_REGION: STARVED_SLOTS}
+            config,
+            (SESSION,),
+            PEER_PAGES,
+            extra_pools={STARVED_REGION: STARVED_SLOTS},
+            monitor=monitor,
         ) as rig:
             monitor.restart_clock()
             run = _Run(config, monitor, rig)
