@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--parent-pid", type=int, default=0, help="exit when this process is gone (0 = never)"
     )
+    ap.add_argument(
+        "--stderr-fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="once listening, write stderr (and stdout) to this inherited descriptor instead "
+        "(PeerProcess keeps what came before, to report a failed start)",
+    )
     return ap
 
 

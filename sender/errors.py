@@ -21,6 +21,7 @@ from typing import Any
 from sender import _nixl
 
 __all__ = [
+    "AgentSetupError",
     "KVTransferError",
     "PARAM_ERRORS",
     "PeerNotFoundError",
@@ -101,6 +102,29 @@ class TransferReleasedError(TransportError):
     transport refuses the call without touching NIXL. This is a caller bug, not a transport
     failure, and it is deliberately *not* in :data:`TRANSPORT_ERRORS`.
     """
+
+
+class AgentSetupError(TransportError, RuntimeError):
+    """NIXL could not create a transport's agent or its UCX backend
+    (:class:`~sender.transport.NixlTransport` construction).
+
+    The message names the cause as far as this process can see it: each attempt's NIXL
+    status, whether the machine's network interfaces changed during it (the transient cause,
+    retried; see ``NixlTransport``), and the UCX environment in effect. UCX's own reason is
+    printed by UCX on the process's stderr. A ``RuntimeError`` (what construction raised
+    before this class existed) and not in :data:`TRANSPORT_ERRORS`: no peer is involved.
+
+    Attributes:
+        attempts: One line per failed attempt, in order.
+        interfaces_changed: True when some attempt saw a network interface appear or vanish.
+    """
+
+    def __init__(
+        self, message: str, attempts: tuple[str, ...] = (), interfaces_changed: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+        self.interfaces_changed = interfaces_changed
 
 
 class TransportParamError(ValueError):

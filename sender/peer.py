@@ -45,6 +45,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -89,6 +90,7 @@ __all__ = [
     "NoticeStats",
     "PeerError",
     "PeerProcess",
+    "PeerStartError",
     "PeerServer",
     "main",
 ]
@@ -128,6 +130,23 @@ _MAX_SENDER_NAME = 128
 
 class PeerError(RuntimeError):
     """A peer process failed to start, answered with an error, or did not answer in time."""
+
+
+class PeerStartError(PeerError):
+    """A :class:`PeerProcess` child did not start: it exited, or did not listen or answer in
+    time. The message carries its exit status and the last lines it wrote on stderr before
+    that (kept whatever ``stderr`` the caller gave, ``DEVNULL`` included).
+
+    Attributes:
+        status: The child's exit status (negative: killed by that signal; by us when it did
+            not start in time), or ``None`` if it could not be reaped.
+        stderr_tail: Its last stderr lines from before it listened ("" when none).
+    """
+
+    def __init__(self, message: str, status: int | None, stderr_tail: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.stderr_tail = stderr_tail
 
 
 class LearntRoom(NamedTuple):
@@ -1106,6 +1125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             sys.stdout.write(f"LISTENING {host}:{server.port}\n")
             sys.stdout.flush()
+            if args.stderr_fd is not None:  # the start-up log is done: the caller's stderr
+                sys.stderr.flush()
+                os.dup2(args.stderr_fd, sys.stderr.fileno())
+                os.close(args.stderr_fd)
             # From now on nothing may write to the pipe the parent stopped reading.
             os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
             while not stop.is_set() and not server.shutdown_requested.is_set():
@@ -1121,6 +1144,66 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # --------------------------------------------------------------------------- client
 
+_START_LOG_LINES = 20
+_START_LOG_CHARS = 4000
+"""A failed start is reported with at most this many of the child's last stderr lines
+(and characters)."""
+
+
+def _check_stderr(stderr: object) -> None:
+    """Raise ``ValueError`` unless ``stderr`` is a kind :class:`PeerProcess` takes."""
+    if stderr is None or stderr == subprocess.DEVNULL:
+        return
+    if type(stderr) is int and stderr >= 0:
+        return
+    fileno = getattr(stderr, "fileno", None)
+    if fileno is not None:
+        try:
+            fileno()
+            return
+        except (OSError, ValueError):  # io.UnsupportedOperation is both
+            pass
+    raise ValueError(
+        "stderr must be None, subprocess.DEVNULL, a file descriptor or a file with a "
+        f"fileno(), got {stderr!r}"
+    )
+
+
+def _open_stderr(stderr: int | IO[Any] | None) -> int:
+    """A new descriptor (ours to close) of where the child's stderr goes once it listens."""
+    if stderr is None:
+        return os.dup(2)
+    if stderr == subprocess.DEVNULL:
+        return os.open(os.devnull, os.O_WRONLY)
+    if isinstance(stderr, int):
+        return os.dup(stderr)
+    stderr.flush()
+    return os.dup(stderr.fileno())
+
+
+def _log_tail(log: IO[bytes]) -> str:
+    """The last lines of a child's start-up log (bounded), indented; "" when empty."""
+    log.seek(0, os.SEEK_END)
+    size = log.tell()
+    log.seek(max(0, size - _START_LOG_CHARS))
+    text = log.read().decode("utf-8", "replace")
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    return "\n".join(f"  {line}" for line in lines[-_START_LOG_LINES:])
+
+
+def _copy_log(log: IO[bytes], fd: int, stderr: int | IO[Any] | None) -> None:
+    """Copy the child's start-up log to where its stderr goes now. Never raises."""
+    if stderr == subprocess.DEVNULL:
+        return
+    try:
+        log.seek(0)
+        while chunk := log.read(1 << 16):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+    except OSError:
+        pass
+
 
 class PeerProcess:
     """A :class:`DecodePeer` in a child process, controlled over its TCP control channel.
@@ -1135,7 +1218,10 @@ class PeerProcess:
         device: Torch device of the peer's pool.
         start_timeout_s: Bound on the wait for the ``LISTENING`` line and the metadata.
         rpc_timeout_s: Bound on every socket operation of a request.
-        stderr: Where the child's stderr goes (``None`` = inherit).
+        stderr: Where the child's stderr goes once it listens: ``None`` (inherit),
+            ``subprocess.DEVNULL``, a file descriptor or a file object with a ``fileno()``.
+            Until then it goes to a start-up log of ours, copied there afterwards (so nothing
+            is lost): a child that fails to start is reported with its last lines.
         netns: Start the child inside this network namespace (``ip netns exec NETNS ...``,
             which needs the privileges to enter it; the child is still our direct child, so
             signals reach it). ``None``: this process's namespace.
@@ -1149,7 +1235,11 @@ class PeerProcess:
     query methods open a connection per call and may be used from several threads.
 
     Raises:
-        PeerError: The child did not start in time (it is reaped first).
+        PeerStartError: The child exited before listening, or did not listen or send its
+            metadata within ``start_timeout_s`` (it is reaped first); the message has its
+            exit status and its last stderr lines.
+        PeerError: Bad ``host``/``netns``.
+        ValueError: ``stderr`` is none of the kinds above.
     """
 
     def __init__(
@@ -1178,6 +1268,7 @@ class PeerProcess:
         self._start_timeout = start_timeout_s
         self._rpc_timeout = rpc_timeout_s
         self._term_grace = term_grace_s
+        _check_stderr(stderr)
         self._stderr = stderr
         self.netns = netns
         self.host = host
@@ -1202,26 +1293,55 @@ class PeerProcess:
         env.update(self._extra_env)
         prefix = [] if self.netns is None else ["ip", "netns", "exec", self.netns]
         allow = [] if self.host == _HOST else ["--allow-host", self.host]
-        cmd = [
-            *prefix, sys.executable, "-m", "sender.peer",
-            "--listen", f"{self.host}:0", *allow,
-            "--pages", str(self.num_pages),
-            "--page-bytes", str(self.page_bytes),
-            "--name", agent_name,
-            "--device", self._device,
-            "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, env=env
-        )
-        self._proc = proc
-        try:
-            self.port = self._read_listening(proc, time.monotonic() + self._start_timeout)
-            self.agent_name = agent_name
-            _, self.metadata = self._call({"cmd": "metadata"}, timeout_s=self._start_timeout)
-        except BaseException:
-            self.close()
-            raise
+        # The child's stderr goes to our start-up log until it listens, then to `later`
+        # (the caller's choice, a descriptor the child inherits and switches to).
+        with tempfile.TemporaryFile() as log:
+            later = _open_stderr(self._stderr)
+            cmd = [
+                *prefix, sys.executable, "-m", "sender.peer",
+                "--listen", f"{self.host}:0", *allow,
+                "--pages", str(self.num_pages),
+                "--page-bytes", str(self.page_bytes),
+                "--name", agent_name,
+                "--device", self._device,
+                "--parent-pid", str(os.getpid()),
+                "--stderr-fd", str(later),
+            ]  # fmt: skip
+            try:
+                proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=env,
+                    pass_fds=(later,),
+                )
+                self._proc = proc
+                try:
+                    deadline = time.monotonic() + self._start_timeout
+                    self.port = self._read_listening(proc, deadline)
+                    self.agent_name = agent_name
+                    _, self.metadata = self._call(
+                        {"cmd": "metadata"}, timeout_s=self._start_timeout
+                    )
+                except PeerError as exc:
+                    self.close()
+                    tail = _log_tail(log)
+                    status = proc.returncode
+                    head = f"{exc} (exit status {status})"
+                    raise PeerStartError(
+                        f"{head}; its last stderr lines:\n{tail}"
+                        if tail
+                        else f"{head}; it wrote nothing on stderr",
+                        status,
+                        tail,
+                    ) from exc
+                except BaseException:
+                    self.close()
+                    raise
+            finally:
+                _copy_log(log, later, self._stderr)
+                os.close(later)
 
     @staticmethod
     def _read_listening(proc: subprocess.Popen[bytes], deadline: float) -> int:
@@ -1232,13 +1352,15 @@ class PeerProcess:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise PeerError("peer did not print LISTENING in time")
+                    raise PeerError("peer did not print LISTENING in time (killed)")
                 ready, _, _ = select.select([fd], [], [], remaining)
                 if not ready:
                     continue
                 chunk = os.read(fd, 4096)
                 if not chunk:
-                    raise PeerError(f"peer exited before listening (status {proc.wait(5)})")
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(5)
+                    raise PeerError("peer exited before listening")
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)

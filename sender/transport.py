@@ -50,6 +50,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import struct
 import sys
 import threading
@@ -66,6 +67,7 @@ import numpy.typing as npt
 from sender import _nixl
 from sender.errors import (
     PARAM_ERRORS,
+    AgentSetupError,
     PeerNotFoundError,
     TransferFailedError,
     TransferReleasedError,
@@ -83,6 +85,8 @@ if TYPE_CHECKING:  # torch is imported lazily: a CPU-only peer process need not 
     import torch
 
 __all__ = [
+    "AGENT_ATTEMPTS",
+    "AGENT_RETRY_PAUSE_S",
     "DEFAULT_PROGRESS_DELAY_US",
     "DEFAULT_TIMEOUT_S",
     "NixlTransport",
@@ -613,10 +617,24 @@ class NixlTransport:
             ``math.inf`` disables deadlines (a hung peer is then never detected).
         progress_delay_us: Sleep between iterations of NIXL's progress thread (µs, > 0).
 
+    Network devices: the agent uses whatever UCX picks from the process's environment when
+    it is constructed (``UCX_NET_DEVICES``, ``UCX_TLS``; unset: every device UCX finds). The
+    transport sets none of them. On a host whose interfaces come and go (containers' or
+    test topologies' veths), set ``UCX_NET_DEVICES`` to the device(s) you mean: an agent
+    that also uses a device torn down while it is made fails to be made (retried, see
+    below), and one that ranks it best sends over it. The test suite, the stress suite and
+    the benchmarks confine their loopback agents to ``lo`` (``stress.ucx_env``).
+
+    Construction retries the one transient failure known (a network interface UCX found
+    vanished while the backend was made: up to ``AGENT_ATTEMPTS`` attempts, each logged as a
+    warning) and otherwise fails with :class:`~sender.errors.AgentSetupError` naming the
+    cause, never with a bare NIXL backend error.
+
     Raises:
         ImportError: NIXL is not importable.
         TransportParamError: Bad arguments.
-        RuntimeError: NIXL has no UCX plugin.
+        AgentSetupError: NIXL has no UCX plugin, or the UCX backend could not be created
+            (a ``RuntimeError``).
     """
 
     def __init__(
@@ -1517,8 +1535,59 @@ def _mem_seg(bindings: Any, mem_type: str) -> Any:
     return bindings.DRAM_SEG if mem_type == "DRAM" else bindings.VRAM_SEG
 
 
+AGENT_ATTEMPTS = 3
+"""Attempts at creating an agent's UCX backend when an attempt saw the network interfaces
+change (the transient cause; see :func:`_make_agent`). A failure with no change seen is
+retried once (a change can come and go between two looks) and then reported."""
+AGENT_RETRY_PAUSE_S = 0.05
+"""Pause before attempt ``n + 1`` is ``n`` times this (a torn-down device is gone by then)."""
+
+
+def _net_interfaces() -> frozenset[tuple[int, str]]:
+    """The network interfaces of this process's namespace, as ``(index, name)`` pairs (a
+    device that is removed and made again gets a new index). Empty where unknown."""
+    try:
+        return frozenset(socket.if_nameindex())
+    except OSError:
+        return frozenset()
+
+
+def _interface_change(before: frozenset[tuple[int, str]], after: frozenset[tuple[int, str]]) -> str:
+    """``"+new -gone"`` names of what changed between two :func:`_net_interfaces` looks."""
+    gone = sorted(name for _, name in before - after)
+    new = sorted(name for _, name in after - before)
+    return " ".join([*(f"-{n}" for n in gone), *(f"+{n}" for n in new)])
+
+
+def _ucx_env() -> str:
+    """The UCX variables that decide which devices and transports a new agent uses."""
+    keys = ("UCX_NET_DEVICES", "UCX_TLS")
+    return ", ".join(f"{k}={os.environ[k]!r}" if k in os.environ else f"{k} unset" for k in keys)
+
+
 def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
-    """Build the wrapper agent around a binding agent whose progress thread sleeps."""
+    """Build the wrapper agent around a binding agent whose progress thread sleeps, and
+    create its UCX backend.
+
+    Why creating the backend can fail under load (reproduced: 4 processes creating agents
+    beside two concurrent two-host stress runs and 3 CPU hogs; 1 of 120 failed, always
+    right after a veth of the other runs was deleted): ``createBackend`` makes a UCX context
+    over every network device UCX finds (``UCX_NET_DEVICES`` unset means all of them),
+    then connects the agent to itself (NIXL's "intra-agent transfer setup") over the device
+    it ranks best, a veth rather than ``lo``. When that device vanishes in between, UCX logs
+    "failed to get interface index ... No such device" and ``connect(...) failed:
+    Connection refused``, and NIXL raises a bare ``nixlBackendError``. A busy machine makes
+    the window between the two steps long. So an attempt that fails with
+    ``nixlBackendError`` is retried (new binding agent, same name, up to
+    :data:`AGENT_ATTEMPTS`) while the set of network interfaces changed during it; a
+    failure without such a change is retried once, then reported: the caller gets
+    :class:`AgentSetupError` naming every attempt, the interfaces that changed, and the UCX
+    environment — never a bare backend error. Agents confined to one device
+    (``UCX_NET_DEVICES=lo``, as the tests and the stress suite run them) are not exposed.
+
+    Raises:
+        AgentSetupError: No UCX plugin, or the backend could not be created (see above).
+    """
     strict = _nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     # The wrapper's own binding agent: no progress thread, no backend -> cheap, inert.
     wrapper = _nixl.nixl_agent(
@@ -1531,7 +1600,7 @@ def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
         ),
     )
     if "UCX" not in wrapper.get_plugin_list():
-        raise RuntimeError("NIXL has no UCX plugin on this machine")
+        raise AgentSetupError("NIXL has no UCX plugin on this machine")
     config = bindings.nixlAgentConfig()
     config.useProgThread = True
     config.useListenThread = False
@@ -1540,8 +1609,53 @@ def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
     config.lthrDelay = 100_000
     config.captureTelemetry = False
     inert = wrapper.agent
-    wrapper.agent = bindings.nixlAgent(name, config)
+    backend_error: Any = getattr(bindings, "nixlBackendError", None)
+    notes: list[str] = []
+    changed_any = False
+    for attempt in range(1, AGENT_ATTEMPTS + 1):
+        before = _net_interfaces()
+        wrapper.agent = bindings.nixlAgent(name, config)
+        try:
+            wrapper.create_backend("UCX")
+        except Exception as exc:
+            if backend_error is None or not isinstance(exc, backend_error):
+                raise
+            wrapper.agent = inert  # the failed binding agent goes
+            change = _interface_change(before, _net_interfaces())
+            changed_any = changed_any or bool(change)
+            seen = (
+                f"network interfaces changed meanwhile: {change}"
+                if change
+                else "no network interface appeared or vanished meanwhile"
+            )
+            notes.append(f"attempt {attempt}: {status_name(exc)}, {seen}")
+            if attempt < AGENT_ATTEMPTS and (change or attempt == 1):
+                logger.warning(
+                    "creating the UCX backend of NIXL agent %r failed (%s); retrying",
+                    name,
+                    notes[-1],
+                )
+                time.sleep(AGENT_RETRY_PAUSE_S * attempt)
+                continue
+            if changed_any:
+                cause = (
+                    "a network interface UCX had found vanished while the agent was made "
+                    "(e.g. another process's veth torn down): confine UCX to the devices you "
+                    "mean with UCX_NET_DEVICES"
+                )
+            else:
+                cause = (
+                    "the failure repeated with no interface change, so it is not the "
+                    "transient one: check UCX_NET_DEVICES (a device that does not exist or "
+                    "has no address) and UCX_TLS (no usable transport)"
+                )
+            raise AgentSetupError(
+                f"could not create the UCX backend of NIXL agent {name!r} "
+                f"({'; '.join(notes)}): {cause}. UCX prints its own reason on this "
+                f"process's stderr; {_ucx_env()}",
+                tuple(notes),
+                changed_any,
+            ) from exc
+        break
     del inert
-    wrapper.create_backend("UCX")
     return wrapper
-

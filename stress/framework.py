@@ -6,7 +6,9 @@ A run of one scenario (:func:`run_scenario`) does, around ``scenario.run(config,
 * installs a ``threading.excepthook`` that counts every escaped exception under
   ``no-escaped-exception`` (and lock-model errors also under ``lock-order``);
 * starts a watchdog thread that fails the run under ``no-deadlock`` (and dumps every thread's
-  stack to stderr) when no progress counter moves for ``config.watchdog_s`` seconds;
+  stack to stderr) when nothing moves for ``config.watchdog_s`` seconds — no progress
+  counter, no liveness beat, no declared long step begun or ended — and no declared long step
+  is still within its own bound (:meth:`Monitor.long_step`; see :class:`_Watchdog`);
 * draws a progress line on stderr when it is a TTY (through a :class:`~stress.console.Console`:
   other output, Python's or NIXL's, is printed above it and the line is redrawn);
 * with a :class:`~stress.native_stderr.NativeStderr` capture active (the CLI's), counts the
@@ -17,6 +19,7 @@ A run of one scenario (:func:`run_scenario`) does, around ``scenario.run(config,
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import math
@@ -27,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Protocol
 
@@ -245,14 +248,20 @@ def registered() -> dict[str, Scenario]:
 
 
 class WorkerCounters:
-    """Progress counters of ONE thread; only that thread writes them (no lock needed)."""
+    """Progress counters of ONE thread; only that thread writes them (no lock needed).
 
-    __slots__ = ("faults", "ops", "rooms")
+    ``beats`` is liveness only (never reported): a thread whose counted unit of work is
+    coarse (a batch of rooms) beats once per finer step (a room), so that the watchdog sees
+    a slow batch move.
+    """
+
+    __slots__ = ("beats", "faults", "ops", "rooms")
 
     def __init__(self) -> None:
         self.ops = 0
         self.rooms = 0
         self.faults = 0
+        self.beats = 0
 
 
 @dataclass(frozen=True)
@@ -305,6 +314,11 @@ class Monitor:
         self._deadlocked = False
         self._reported_alive: set[str] = set()
         self._native: NativeLines | None = None
+        # Declared long steps (long_step): token -> (what, bound_s, deadline); and how many
+        # were begun or ended (each one is a movement for the watchdog).
+        self._steps: dict[int, tuple[str, float, float]] = {}
+        self._step_seq = 0
+        self._step_events = 0
 
     # -- counters ----------------------------------------------------------------------
 
@@ -429,6 +443,60 @@ class Monitor:
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
         return alive
+
+    # -- liveness (the watchdog) --------------------------------------------------------
+
+    def liveness(self) -> tuple[int, int]:
+        """``(beats, step events)``: summed liveness beats of every counter set and how many
+        long steps were begun or ended (racy reads; the watchdog's "did anything move")."""
+        with self._lock:
+            counters = list(self._counters)
+            events = self._step_events
+        return sum(c.beats for c in counters), events
+
+    def begin_step(self, what: str, bound_s: float) -> int:
+        """Declare that from now on a step may legitimately pass up to ``bound_s`` seconds with
+        no progress (see :meth:`long_step`); returns the token for :meth:`end_step`.
+
+        Raises:
+            ValueError: ``bound_s`` is not a finite number > 0.
+        """
+        if not (isinstance(bound_s, int | float) and 0 < bound_s < math.inf):
+            raise ValueError(f"bound_s must be a finite number > 0, got {bound_s!r}")
+        with self._lock:
+            self._step_seq += 1
+            self._steps[self._step_seq] = (what, float(bound_s), time.monotonic() + bound_s)
+            self._step_events += 1
+            return self._step_seq
+
+    def end_step(self, token: int) -> None:
+        """End a step begun with :meth:`begin_step` (ending counts as progress). Idempotent."""
+        with self._lock:
+            if self._steps.pop(token, None) is not None:
+                self._step_events += 1
+
+    @contextlib.contextmanager
+    def long_step(self, what: str, bound_s: float) -> Iterator[None]:
+        """A step that makes no progress for a while and is not stuck: starting a decode peer
+        process, a drain, a fault's repair. Inside it the watchdog calls the run stuck only
+        once ``bound_s`` passed with nothing moving; after it, the usual period counts again
+        from its end. Take ``bound_s`` from the step's own timeout (past it the step fails by
+        itself, e.g. ``PeerProcess(start_timeout_s=...)``) plus the watchdog period, so that
+        a step stuck for good is still reported. Thread-safe; steps may overlap.
+
+        Raises:
+            ValueError: ``bound_s`` is not a finite number > 0.
+        """
+        token = self.begin_step(what, bound_s)
+        try:
+            yield
+        finally:
+            self.end_step(token)
+
+    def open_steps(self) -> list[tuple[str, float, float]]:
+        """The declared steps not ended: ``(what, bound_s, deadline)`` (``time.monotonic()``)."""
+        with self._lock:
+            return list(self._steps.values())
 
     def restart_clock(self) -> None:
         """Start the run's duration now: for scenarios with a slow set-up (peer processes)."""
@@ -635,7 +703,27 @@ class ScenarioResult:
 
 
 class _Watchdog:
-    """Fails the run when no counter moves for ``period`` s; optionally hard-exits later."""
+    """Fails the run (``no-deadlock``) when it is stuck, not when it is slow; optionally
+    hard-exits later.
+
+    *Moving* is any change of the progress counters (:meth:`Monitor.totals`), of the liveness
+    beats, or a long step begun or ended (:meth:`Monitor.liveness`). The run is *stuck* when
+    nothing moved for ``period`` s **and** no declared long step is still inside its own
+    bound (:meth:`Monitor.long_step`). So:
+
+    * a step that is slow but declared (a peer process starting on a loaded machine: it may
+      take its own start timeout) is not flagged before its bound; one that overruns it is,
+      named in the report;
+    * outside declared steps the bound is ``period`` as before: a thread blocked for good
+      (a deadlock, a lost wake-up) is flagged ``period`` s after the last movement;
+    * scenarios whose unit of progress is coarse beat per finer step (``WorkerCounters.beats``:
+      the sender rig beats per concluded room, not per batch of 32), so a slow batch is
+      live, a stuck room is not.
+
+    Why not CPU time or stack sampling: NIXL's progress threads use CPU whether or not the
+    run is stuck, and a thread legitimately waiting (on a child process, on a deadline)
+    shows the same unchanged stack as a deadlocked one.
+    """
 
     def __init__(self, monitor: Monitor, period: float, hard_exit: bool) -> None:
         self._monitor = monitor
@@ -651,23 +739,45 @@ class _Watchdog:
         self._done.set()
         self._thread.join(5.0)
 
+    def _state(self) -> tuple[tuple[int, int, int], tuple[int, int]]:
+        return self._monitor.totals(), self._monitor.liveness()
+
+    def stall(self, now: float, last_move: float) -> str | None:
+        """Why the run counts as stuck at ``now`` (nothing moved since ``last_move``), or
+        ``None`` while it may still be slow (within ``period``, or inside a declared step's
+        own bound)."""
+        quiet = now - last_move
+        steps = self._monitor.open_steps()
+        if quiet < self._period:
+            return None
+        within = [s for s in steps if s[2] > now]
+        if within:
+            return None
+        if steps:
+            what, bound, _ = max(steps, key=lambda s: s[2])
+            return (
+                f"no progress for {quiet:.1f} s; step {what!r} is past its bound of {bound:g} s"
+            )
+        return f"no progress for {self._period:g} s"
+
     def _run(self) -> None:
         tick = min(0.25, self._period / 4)
-        last = self._monitor.totals()
+        last = self._state()
         last_move = time.monotonic()
         while not self._done.wait(tick):
-            now_totals = self._monitor.totals()
+            state = self._state()
             now = time.monotonic()
-            if now_totals != last:
-                last, last_move = now_totals, now
+            if state != last:
+                last, last_move = state, now
                 continue
-            if now - last_move >= self._period:
-                self._monitor.deadlock(f"no progress for {self._period:g} s")
+            why = self.stall(now, last_move)
+            if why is not None:
+                self._monitor.deadlock(why)
                 # Lock waits time out after 2 periods and joins are bounded by one period each,
                 # so a run that is not done 5 periods after the stall is stuck for good.
                 if self._hard_exit and not self._done.wait(5 * self._period):
                     print(
-                        f"[{self._monitor.scenario}] still stuck {self._period:g} s after the "
+                        f"[{self._monitor.scenario}] still stuck {5 * self._period:g} s after the "
                         "stall: exiting with status 1",
                         file=sys.stderr,
                         flush=True,

@@ -9,7 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from stress.ucx_env import confine_to_loopback
+
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+# Every agent of the tests (and of the peer processes they start) uses lo only: unconfined,
+# UCX would also use the veth of a two-host run of another process (stress.ucx_env).
+confine_to_loopback()
 
 # NIXL-specific fixtures (real agents, peer processes) live in their own module.
 pytest_plugins = ["tests.fixtures_nixl"]

@@ -7,6 +7,7 @@ Every write here moves real bytes over NIXL (UCX) to a peer and is checked byte-
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import Any
 
@@ -85,29 +86,54 @@ def test_as_pages_passes_int64_arrays_through_and_converts_the_rest() -> None:
 # ------------------------------------------------------------------ poll pacing (no NIXL)
 
 
+class _Module:
+    """Stands in for a module inside ``sender.transport`` only: the given attributes
+    replaced, everything else the real module's (nothing outside the transport changes)."""
+
+    def __init__(self, real: Any, **replaced: Any) -> None:
+        self._real = real
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
 @pytest.mark.timeout(10)
-def test_poll_pauses_spin_then_grow_with_elapsed_time() -> None:
+def test_poll_pauses_spin_then_grow_with_elapsed_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned on an injected clock, not on how long the machine took: 0 while spinning,
+    then POLL_PAUSE_FRACTION of the time polled so far, clamped to MIN..MAX."""
+    now = [1000.0]
+    monkeypatch.setattr(transport_mod, "time", _Module(time, monotonic=lambda: now[0]))
     pauses = poll_pauses(spin_s=0.002)
-    first = [next(pauses) for _ in range(3)]
-    assert first == [0.0, 0.0, 0.0]  # spinning: poll again at once
-    time.sleep(0.003)
-    early = next(pauses)
-    assert transport_mod.POLL_PAUSE_MIN_S <= early <= 0.003 * transport_mod.POLL_PAUSE_FRACTION * 2
-    time.sleep(0.05)
-    late = next(pauses)
-    assert late == transport_mod.POLL_PAUSE_MAX_S  # capped: a long write costs 1 poll per ms
-    fixed = poll_pauses(spin_s=0.0)
-    assert next(fixed) == transport_mod.POLL_PAUSE_MIN_S
+    assert [next(pauses) for _ in range(3)] == [0.0, 0.0, 0.0]  # spinning: poll at once
+    now[0] += 0.0019
+    assert next(pauses) == 0.0  # still inside the spin
+    now[0] += 0.0017  # 3.6 ms polled: a pause of 3.6 / 16 = 0.225 ms
+    assert next(pauses) == pytest.approx(0.0036 * transport_mod.POLL_PAUSE_FRACTION)
+    fresh = poll_pauses(spin_s=0.0)
+    assert next(fresh) == transport_mod.POLL_PAUSE_MIN_S  # never below the floor
+    now[0] += 0.05  # 50 ms more: capped, a long write costs one poll per ms
+    assert next(pauses) == transport_mod.POLL_PAUSE_MAX_S
+    assert next(fresh) == transport_mod.POLL_PAUSE_MAX_S
 
 
 @pytest.mark.timeout(10)
-def test_pause_between_polls_never_sleeps_for_zero() -> None:
-    # time.sleep(0) costs 30-90 us on these VMs; a yield costs about 1 us. 2,000 zero pauses
-    # must take far less than 2,000 sleeps would (>= 60 ms); generous for a loaded machine.
-    t0 = time.perf_counter()
+def test_pause_between_polls_never_sleeps_for_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zero pause only yields (``time.sleep(0)`` costs 30-90 us on these VMs, longer than a
+    1 MiB write); a positive one sleeps exactly that long. Counted, not timed."""
+    sleeps: list[float] = []
+    yields = [0]
+
+    def count_yield() -> None:
+        yields[0] += 1
+
+    monkeypatch.setattr(transport_mod, "time", _Module(time, sleep=sleeps.append))
+    monkeypatch.setattr(transport_mod, "os", _Module(os, sched_yield=count_yield))
     for _ in range(2000):
         pause_between_polls(0.0)
-    assert time.perf_counter() - t0 < 0.05
+    assert yields[0] == 2000 and sleeps == []
+    pause_between_polls(2.5e-4)
+    assert sleeps == [2.5e-4] and yields[0] == 2000
 
 
 # ------------------------------------------------------------------ writes with real NIXL

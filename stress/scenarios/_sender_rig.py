@@ -58,7 +58,9 @@ from stress.invariants import (
 from stress.scenarios._page_audit import PageAudit
 
 ROOMS_CONCLUDED = describe(
-    "rooms-concluded", "every room concluded Success or Failed (a dead peer's within 1 s)"
+    "rooms-concluded",
+    "every room concluded Success or Failed (a killed peer's within 2 transfer deadlines + "
+    "the time the harness held the scheduler + the measured scheduling delay)",
 )
 BYTES_VERIFIED = describe("bytes-verified", "every verifiable Success room's bytes match")
 CHUNKS_ONCE = describe(
@@ -96,6 +98,10 @@ TRANSFER_TIMEOUT_S = 0.5
 REAP_EVERY_S = 0.05
 REAP_PROBABILITY = 0.2
 DRAIN_TIMEOUT_S = 5.0
+PEER_START_TIMEOUT_S = 60.0
+"""A decode peer process's start bound (``PeerProcess(start_timeout_s=...)``): past it the
+start fails by itself (``PeerStartError``). The watchdog's allowance for a start is this
+plus its period (:func:`peer_start_bound`)."""
 LEGACY_DRAIN_S = 0.3
 """A manager without ``wait_drained`` released in-flight transfers at purge; their bytes may
 still land for a while: wait this long before reading pages for the audit."""
@@ -631,11 +637,28 @@ class TrackedManager(KVManager):
         return purge
 
 
+def peer_start_bound(monitor: Monitor, peers: int = 1) -> float:
+    """How long starting ``peers`` decode peer processes one after another may go without
+    progress before the watchdog calls it stuck: each start is bounded by
+    :data:`PEER_START_TIMEOUT_S` (it fails by itself past that), plus one watchdog period."""
+    return peers * PEER_START_TIMEOUT_S + monitor.watchdog_s
+
+
+def final_checks_bound(monitor: Monitor, sessions: int) -> float:
+    """The watchdog's allowance for :meth:`SenderRig.check_end` (no room progress there):
+    the drain (``wait_drained`` and the injector's quiesce, :data:`DRAIN_TIMEOUT_S` each),
+    ``decode-told``'s wait (:data:`TOLD_WAIT_S`), three control-channel reads per session
+    (notices, digests; each bounded by the peer's 2 s RPC timeout), plus one period."""
+    return 2 * DRAIN_TIMEOUT_S + TOLD_WAIT_S + sessions * 3 * 2.0 + monitor.watchdog_s
+
+
 class SenderRig:
     """One prefill sender talking to ``len(sessions)`` decode peer processes.
 
     ``extra_pools``: more staging pools, region name -> slots (one page each), registered
     with the transport next to the default ``"staging"`` pool (e.g. a starved one).
+    ``monitor``: the set-up (starting the peers) is declared to its watchdog as a long step
+    (:func:`peer_start_bound`).
     """
 
     def __init__(
@@ -645,6 +668,7 @@ class SenderRig:
         peer_pages: int,
         *,
         extra_pools: Mapping[str, int] | None = None,
+        monitor: Monitor | None = None,
     ) -> None:
         self.config = config
         self.sessions = sessions
@@ -654,6 +678,11 @@ class SenderRig:
         self.pools: dict[str, StagingBufferPool] = {}
         self._stack = contextlib.ExitStack()
         self.peer_lock = threading.Lock()  # serialises peer restarts against digests
+        # Waits for peer_lock in digest(): (thread ident, began, got it), guarded by
+        # _waits_lock. A restart holds peer_lock for seconds: whatever thread reads pages
+        # meanwhile (the scheduler verifying a room) is held up by the harness, not the sender.
+        self._waits_lock = threading.Lock()
+        self._waits: list[tuple[int, float, float]] = []
         self.rooms_used: list[int] = []
         self.next_room = 0
         self.notices = NoticeTracker()
@@ -661,7 +690,12 @@ class SenderRig:
         self._drain_reported: set[RoomHandle] = set()
         self._drain_checks = 0
         try:
-            self._setup(config, sessions, peer_pages, dict(extra_pools or {}))
+            if monitor is None:
+                self._setup(config, sessions, peer_pages, dict(extra_pools or {}))
+            else:
+                bound = peer_start_bound(monitor, len(sessions))
+                with monitor.long_step(f"start {len(sessions)} decode peers", bound):
+                    self._setup(config, sessions, peer_pages, dict(extra_pools or {}))
         except BaseException:
             self._stack.close()
             raise
@@ -687,7 +721,12 @@ class SenderRig:
         self.pool = self.pools["staging"]
         for sid in sessions:
             peer = PeerProcess(
-                peer_pages, PAGE_BYTES, name=sid, rpc_timeout_s=2.0, stderr=subprocess.DEVNULL
+                peer_pages,
+                PAGE_BYTES,
+                name=sid,
+                rpc_timeout_s=2.0,
+                start_timeout_s=PEER_START_TIMEOUT_S,
+                stderr=subprocess.DEVNULL,
             )
             self._stack.callback(peer.close)
             self.peers[sid] = peer
@@ -737,9 +776,21 @@ class SenderRig:
     # ------------------------------------------------------------------ the scheduler
 
     def digest(self, session_id: str, pages: Sequence[int]) -> list[str]:
+        began = time.monotonic()
         with self.peer_lock:
+            got = time.monotonic()
             peer = self.peers[session_id]
+        if got - began > 1e-3:
+            with self._waits_lock:
+                self._waits.append((threading.get_ident(), began, got))
         return peer.page_digest(pages)
+
+    def harness_wait(self, thread: int, start: float, end: float) -> float:
+        """Seconds within ``[start, end]`` that ``thread`` waited in :meth:`digest` for a
+        peer restart of the harness (``peer_lock``). Thread-safe."""
+        with self._waits_lock:
+            spans = [(b, g) for t, b, g in self._waits if t == thread and g > start and b < end]
+        return sum(min(g, end) - max(b, start) for b, g in spans)
 
     def new_driver(
         self,
@@ -787,6 +838,15 @@ class SenderRig:
             counters = monitor.counters()
             faults_before = self.injector.stats().faults
             drv = chosen if chosen is not None else self.new_driver()
+            # Rooms are counted per batch (below); the watchdog sees each one conclude.
+            observer = drv.progress
+
+            def beat(done: int, total: int) -> None:
+                counters.beats += 1
+                if observer is not None:
+                    observer(done, total)
+
+            drv.progress = beat
             cfg = self.config
             while keep_going():
                 base = self.next_room
@@ -1001,9 +1061,12 @@ class SenderRig:
         self.stats.pages_unjudged += report.unjudged
 
     def check_end(self, monitor: Monitor) -> None:
-        """After the scheduler stopped: close, drain, nothing left, then the page audit."""
-        self.finish_manager(monitor)
-        self.audit_pages(monitor)
+        """After the scheduler stopped: close, drain, nothing left, then the page audit
+        (declared to the watchdog as a long step, :func:`final_checks_bound`)."""
+        bound = final_checks_bound(monitor, len(self.peers))
+        with monitor.long_step("final drain and checks", bound):
+            self.finish_manager(monitor)
+            self.audit_pages(monitor)
 
 
 @contextlib.contextmanager
@@ -1013,9 +1076,10 @@ def sender_rig(
     peer_pages: int,
     *,
     extra_pools: Mapping[str, int] | None = None,
+    monitor: Monitor | None = None,
 ) -> Iterator[SenderRig]:
     """A started :class:`SenderRig`, always closed (peers reaped) on exit."""
-    rig = SenderRig(config, sessions, peer_pages, extra_pools=extra_pools)
+    rig = SenderRig(config, sessions, peer_pages, extra_pools=extra_pools, monitor=monitor)
     try:
         yield rig
     finally:

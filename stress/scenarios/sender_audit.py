@@ -37,7 +37,16 @@ separated names). Each phase runs ``max(1 s, duration / phases)``.
 Test-only ``--plant-bug quarantine``: the driver reuses a failed room's destination pages at
 once (the old fixed quarantine, here 0 s) instead of waiting for its transfers to drain, and
 in every phase the writes of the rooms it aborts are delayed 0.25 s: the page audit must
-report cross-room overwrites (``abort-in-flight`` alone shows it in a couple of seconds).
+report cross-room overwrites (``abort-in-flight`` alone shows it in a couple of seconds on
+an idle machine). Whether a given aborted room's late write is seen by the page audit is a
+race the planted bug loses or wins by timing: it lands 0.4 s after its post; if the next
+room on its pages was verified by then, the audit sees the overwrite when the pages are
+reused; if not (on a loaded machine that room is slower), the next room's own verification
+fails instead (``bytes-verified``). Measured with 3 CPU hogs (load 11-15 on 2 cores): 0 to
+6 audit findings per 3-s phase, 1 run in 4-7 with none. So under this plant the phase is
+bound by work, not time: it goes on past its duration until the audit reported an
+overwrite, at most :data:`PLANT_MAX_S` (an audit that cannot see overwrites still ends
+with none, so the check can fail).
 
 ``--plant-bug no-notices``: the managers send no room notice; ``decode-told`` must report
 the rooms failed or cleared before ``Success`` that the decode peer never learnt about.
@@ -66,7 +75,7 @@ from sender.manager import KVManager, TransferInfo
 from staging.context import RoomHandle, StagingContext
 from staging.errors import LockTimeoutError
 from stress.framework import JSONValue, Monitor, ScenarioMetrics, StressConfig, register
-from stress.invariants import FAILURE_CONTRACT, describe
+from stress.invariants import DECODE_PAGE_AUDIT, FAILURE_CONTRACT, describe
 from stress.scenarios._sender_rig import (
     PLANT_NO_NOTICES,
     ROOMS_CONCLUDED,
@@ -117,7 +126,11 @@ OPENERS = 2
 CLOSE_AFTER_S = (0.05, 0.25)
 
 SLOW_NETWORK_DELAY_S = 0.7  # > the transfer deadline (0.5 s)
-PLANT_DELAY_S = 0.25  # longer than a room lives: lands while the next room's pages decode
+PLANT_DELAY_S = 0.4  # longer than a room lives: lands while the next room's pages decode
+PLANT_MAX_S = 30.0
+"""Under ``--plant-bug quarantine`` the ``abort-in-flight`` phase runs past its duration
+until the page audit has reported an overwrite, for at most this long (see the module
+docstring)."""
 PLANT_ABORT_RATE = 0.3
 PLANT_WORKERS = 8
 
@@ -210,17 +223,27 @@ class _Run:
         after_scheduler: Sequence[tuple[str, ExtraThread]] = (),
         bootstrap: BootstrapFn | None = None,
         on_outcome: Callable[[RoomOutcome], None] | None = None,
+        until: Callable[[], bool] | None = None,
+        max_seconds: float = 0.0,
     ) -> SchedulerDriver:
-        """Run the scheduler, a reaper and the ``extras`` for ``seconds``; then stop
-        admitting and wait for the active rooms to conclude by themselves. Threads in
+        """Run the scheduler, a reaper and the ``extras`` for ``seconds`` (and, with
+        ``until``, on until ``until()`` holds, for ``max_seconds`` in all at most); then
+        stop admitting and wait for the active rooms to conclude by themselves. Threads in
         ``after_scheduler`` keep running until the scheduler is done (e.g. the bootstrap
         thread the waiting rooms need)."""
         mon, rig = self.monitor, self.rig
-        end = time.monotonic() + seconds
+        start = time.monotonic()
+        end = start + seconds
+        hard_end = start + max(seconds, max_seconds)
         sched_done = threading.Event()
 
         def running() -> bool:
-            return not mon.stop.is_set() and time.monotonic() < end
+            if mon.stop.is_set():
+                return False
+            now = time.monotonic()
+            if now < end:
+                return True
+            return until is not None and now < hard_end and not until()
 
         def until_scheduler_done() -> bool:
             return not mon.stop.is_set() and not sched_done.is_set()
@@ -238,7 +261,7 @@ class _Run:
             for t, make in after_scheduler
         ]
         while running():
-            mon.stop.wait(min(0.05, max(0.0, end - time.monotonic())))
+            mon.stop.wait(0.05)
         driver.stop_admitting()
         sched.join(SCHEDULER_JOIN_S)
         if sched.is_alive():
@@ -279,6 +302,9 @@ class _Run:
 
     # ------------------------------------------------------------------ phases
 
+    def _audit_found(self) -> bool:
+        return any(r.name == DECODE_PAGE_AUDIT and r.violations for r in self.monitor.reports())
+
     def abort_in_flight(self, name: str, index: int, seconds: float) -> None:
         rig = self.rig
         rig.make_manager(num_workers=self.workers)
@@ -290,6 +316,9 @@ class _Run:
                 index,
                 seconds,
                 overrides=self.overrides(abort_rate=ABORT_RATE, abort_lag_s=ABORT_LAG_S),
+                # The plant's overwrite is caught by work done, not time (module docstring).
+                until=self._audit_found if self.planted else None,
+                max_seconds=PLANT_MAX_S,
             )
         finally:
             if not self.planted:
@@ -560,7 +589,11 @@ class SenderAudit:
         phases = selected_phases()
         seconds = max(MIN_PHASE_S, monitor.duration_s / len(phases))
         with sender_rig(
-            config, (SESSION,), PEER_PAGES, extra_pools={STARVED_REGION: STARVED_SLOTS}
+            config,
+            (SESSION,),
+            PEER_PAGES,
+            extra_pools={STARVED_REGION: STARVED_SLOTS},
+            monitor=monitor,
         ) as rig:
             monitor.restart_clock()
             run = _Run(config, monitor, rig)

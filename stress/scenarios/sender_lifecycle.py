@@ -30,7 +30,7 @@ class SenderLifecycle:
     invariants = SENDER_INVARIANTS
 
     def run(self, config: StressConfig, monitor: Monitor) -> ScenarioMetrics:
-        with sender_rig(config, ("decode-0",), PEER_PAGES) as rig:
+        with sender_rig(config, ("decode-0",), PEER_PAGES, monitor=monitor) as rig:
             monitor.restart_clock()  # the duration counts from here, not from peer start-up
             scheduler = monitor.spawn(rig.scheduler(monitor), "scheduler")
             monitor.spawn(rig.reaper(monitor, 1000), "reaper")

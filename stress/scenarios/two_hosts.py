@@ -96,10 +96,13 @@ from stress.netns import (
 from stress.scenarios._sender_rig import (
     BYTES_VERIFIED,
     PAGE_BYTES,
+    PEER_START_TIMEOUT_S,
     PLANT_NO_NOTICES,
     SENDER_INVARIANTS,
     TRANSFER_TIMEOUT_S,
     SenderRig,
+    final_checks_bound,
+    peer_start_bound,
 )
 
 FAULT_TO_FAILED = describe(
@@ -143,6 +146,8 @@ that much later; measured up to 160 ms); a sender that failed rooms one chunk de
 another (no ``fail_session``) takes >= 2 deadlines and is caught."""
 KINDS = ("stop", "partition", "evict", "kill", "restart")
 CANARY_WATCH_S = 2.5
+ADD_PEER_ATTEMPTS = 40
+ADD_PEER_PAUSE_S = 0.05
 PLANTED_BUGS = (
     "quarantine",
     "no-fail-session",
@@ -267,8 +272,25 @@ class TwoHosts:
                 monitor.restart_clock()
             counters.rooms, counters.ops, counters.faults = rooms, ops, faults
 
+        relay: dict[str, Any] = {"key": None, "token": None}
+
+        def step(what: str | None, deadline: float | None) -> None:
+            # The child's declared long steps (and its start-up) become ours, same bound:
+            # one clock (CLOCK_MONOTONIC) for both processes.
+            if (what, deadline) == relay["key"]:
+                return
+            relay["key"] = (what, deadline)
+            if relay["token"] is not None:
+                monitor.end_step(relay["token"])
+                relay["token"] = None
+            if what is not None and deadline is not None:
+                left = deadline - time.monotonic()
+                if left > 0:
+                    relay["token"] = monitor.begin_step(what, left)
+
         limit = max(120.0, 6 * monitor.duration_s)
-        result = run_two_hosts(plan, timeout_s=limit, on_progress=progress)
+        result = run_two_hosts(plan, timeout_s=limit, on_progress=progress, on_step=step)
+        step(None, None)
         relay_violations(result, monitor)
         child_native = result.get("native_stderr") or {}
         monitor.native_lines(
@@ -411,9 +433,15 @@ def run_two_hosts(
     timeout_s: float = 120.0,
     on_progress: Callable[[int, int, int], None] | None = None,
     stderr: IO[str] | None = None,
+    on_step: Callable[[str | None, float | None], None] | None = None,
 ) -> dict[str, Any]:
     """Make the two-host topology, run ``plan`` in a sender child process over it, tear the
     topology down (always), and return the child's result.
+
+    ``on_step(what, deadline)`` is told the long step in progress (``None``: none) for a
+    watchdog: first the child's start-up (bounded by ``timeout_s``, after which the child is
+    killed), then whatever long step the child declares (peer start-up, repairs, drains),
+    with its deadline on ``time.monotonic()``'s clock.
 
     Where the topology cannot be made, returns ``{"skipped": reason}``. When the child dies,
     hangs (killed after ``timeout_s``) or returns nothing, the result has ``"error"``.
@@ -449,12 +477,20 @@ def run_two_hosts(
         killer = threading.Timer(timeout_s, proc.kill)
         killer.daemon = True
         killer.start()
+        if on_step is not None:
+            on_step("sender child start-up", time.monotonic() + timeout_s)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
-                if line.startswith(_PROGRESS_TAG) and on_progress is not None:
-                    rooms, ops, faults = (int(x) for x in line.split()[1:4])
-                    on_progress(rooms, ops, faults)
+                if line.startswith(_PROGRESS_TAG):
+                    fields = line.split(maxsplit=5)
+                    if on_progress is not None:
+                        rooms, ops, faults = (int(x) for x in fields[1:4])
+                        on_progress(rooms, ops, faults)
+                    if on_step is not None and len(fields) >= 6:
+                        on_step(fields[5].strip(), float(fields[4]))
+                    elif on_step is not None and len(fields) == 5:  # "-": no step now
+                        on_step(None, None)
                 elif line.startswith(_RESULT_TAG):
                     result = json.loads(line[len(_RESULT_TAG) :])
             status = proc.wait(timeout=30)
@@ -513,6 +549,7 @@ class NetnsRig(SenderRig):
                     PAGE_BYTES,
                     name=sid,
                     rpc_timeout_s=2.0,
+                    start_timeout_s=PEER_START_TIMEOUT_S,
                     stderr=subprocess.DEVNULL,
                     netns=link.netns,
                     host=link.peer_addr,
@@ -587,7 +624,10 @@ class _Child:
             peer_env = self.link.peer_env()
             if self.plan.plant_bug == "no-tcp":
                 peer_env.pop("UCX_TLS")
-            rig = NetnsRig(self.config, (SESSION,), PEER_PAGES, self.link, peer_env)
+            with self.monitor.long_step(
+                "start the decode peer in its namespace", peer_start_bound(self.monitor)
+            ):
+                rig = NetnsRig(self.config, (SESSION,), PEER_PAGES, self.link, peer_env)
             try:
                 self._rig = rig
                 self._phases(rig)
@@ -616,9 +656,18 @@ class _Child:
 
     def _progress_loop(self) -> None:
         while not self._stop_progress.wait(0.5):
-            print(
-                f"{_PROGRESS_TAG}{self.done_rooms} {self.done_rooms * 8} {self.faults}", flush=True
-            )
+            print(self._progress_line(), flush=True)
+
+    def _progress_line(self) -> str:
+        """``TAG rooms ops faults DEADLINE WHAT``: the latest-ending long step this child
+        declared (``time.monotonic()`` deadline; ``-`` when none), for the parent's
+        watchdog."""
+        head = f"{_PROGRESS_TAG}{self.done_rooms} {self.done_rooms * 8} {self.faults}"
+        steps = self.monitor.open_steps()
+        if not steps:
+            return f"{head} -"
+        what, _, deadline = max(steps, key=lambda st: st[2])
+        return f"{head} {deadline:.3f} {' '.join(what.split())}"
 
     def _phases(self, rig: NetnsRig) -> None:
         first = True
@@ -651,15 +700,15 @@ class _Child:
     def _add_peer(self, rig: NetnsRig, metadata: bytes) -> None:
         """``add_peer`` as an engine would: retried for a while (a connection attempt right
         after a repair may be refused)."""
-        for attempt in range(40):
+        for attempt in range(ADD_PEER_ATTEMPTS):
             try:
                 rig.tx.add_peer(SESSION, metadata)
                 return
             except Exception:
-                if attempt == 39:
+                if attempt == ADD_PEER_ATTEMPTS - 1:
                     raise
                 self.add_peer_retries += 1
-                time.sleep(0.05)
+                time.sleep(ADD_PEER_PAUSE_S)
 
     def _driver(self, rig: NetnsRig) -> SchedulerDriver:
         track = self.track
@@ -804,8 +853,9 @@ class _Child:
         """Close the phase's manager with the rig's end checks (drain, nothing left, chunks
         counted once), judge the decode pages, and start a fresh manager on the same
         transport."""
-        rig.finish_manager(self.monitor)
-        rig.audit_pages(self.monitor)
+        with self.monitor.long_step("drain and end checks", final_checks_bound(self.monitor, 1)):
+            rig.finish_manager(self.monitor)
+            rig.audit_pages(self.monitor)
         rig.make_manager()
 
     def _phase(self, rig: NetnsRig, kind: str, rate: int) -> dict[str, JSONValue]:
@@ -866,7 +916,12 @@ class _Child:
         rig.notices.fault_end(window, repaired_at)
         self.control_down.clear()
         if canary_xfer is not None:
-            canary.update(self._watch_canary(rig, canary_xfer, canary_src, canary_dst, repaired_at))
+            with self.monitor.long_step(
+                "watch the canary write", CANARY_WATCH_S + self.monitor.watchdog_s
+            ):
+                canary.update(
+                    self._watch_canary(rig, canary_xfer, canary_src, canary_dst, repaired_at)
+                )
         # Recovery: new rooms over the same transport until a streak of verified successes.
         phase_over.clear()
         in_fault.clear()
@@ -940,7 +995,8 @@ class _Child:
         # comes up; then the session, same id, is pointed at the new metadata.
         at = time.monotonic()
         rig.audit.peer_reset(SESSION, at)
-        with rig.peer_lock:
+        bound = self._restart_bound()
+        with self.monitor.long_step("replace the decode peer", bound), rig.peer_lock:
             peer.restart()
             rig.tx.remove_peer(SESSION)
             self._add_peer(rig, peer.metadata)
@@ -957,11 +1013,17 @@ class _Child:
             if kind == "evict" and not rig.tx.has_peer(SESSION):
                 self._add_peer(rig, peer.metadata)
         elif kind == "kill":
-            with rig.peer_lock:
+            bound = self._restart_bound()
+            with self.monitor.long_step("restart the decode peer", bound), rig.peer_lock:
                 rig.tx.remove_peer(SESSION)
                 peer.restart()
                 self._add_peer(rig, peer.metadata)
         return time.monotonic()
+
+    def _restart_bound(self) -> float:
+        """A peer restart: its start (:func:`peer_start_bound`) and ``_add_peer``'s
+        retries (:data:`ADD_PEER_ATTEMPTS` x :data:`ADD_PEER_PAUSE_S`)."""
+        return peer_start_bound(self.monitor) + ADD_PEER_ATTEMPTS * ADD_PEER_PAUSE_S
 
     # ------------------------------------------------------------------ canary
 
@@ -1027,7 +1089,9 @@ class _Child:
         """Every room concluded: after ``wait_drained`` nothing may be held anywhere
         (tables, staging keys, slots, live transfer handles)."""
         mgr = rig.mgr
-        if not mgr.wait_drained(None, 5.0):
+        with self.monitor.long_step(f"{what}: drain", 5.0 + self.monitor.watchdog_s):
+            drained = mgr.wait_drained(None, 5.0)
+        if not drained:
             self.monitor.violation(NO_LEAK, f"{what}: {mgr.draining()} transfers still draining")
         st = mgr.stats()
         if st.open_rooms or st.transfers_inflight or st.transfers_draining:
@@ -1217,7 +1281,7 @@ def child_main(argv: Sequence[str]) -> int:
         ap.error(f"unknown planted bug {plan.plant_bug!r}")
     child = _Child(link, plan)
     result = child.run()
-    sys.stdout.write(f"{_PROGRESS_TAG}{child.done_rooms} {child.done_rooms * 8} {child.faults}\n")
+    sys.stdout.write(child._progress_line() + "\n")
     sys.stdout.write(_RESULT_TAG + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0
