@@ -21,6 +21,8 @@ DPOR_PROGRESS = "tests/test_dpor_sender_progress.py"
 DPOR_PURGE = "tests/test_dpor_sender_purge.py"
 SENDER_TESTS = ("tests/test_sender.py", REGRESSIONS)
 SENDER_STRESS = ("sender-audit",)
+PROPERTIES = "tests/test_sender_properties.py"
+LOAD_DEFECTS = "tests/test_load_defects.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -210,6 +212,113 @@ MUTANTS: tuple[Mutant, ...] = (
         description="purge_room returns the room's staging slots while posted transfers still "
         "read from them: another room can lease and overwrite a slot under a pending write",
         tests=SENDER_TESTS,
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="drain-ignores-held-slots",
+        file=ROOMS,
+        original="""\
+        return n + max(0, held - under_chunks)""",
+        replacement="""\
+        return n  # MUTANT: slots a thread still holds for a purged opening are not counted""",
+        kind="race",
+        description="draining()/wait_drained() count only the posted chunks of a purged "
+        "opening, not the staging slots a worker leased for it before the purge: they answer "
+        "0/True while a slot is still held",
+        tests=(*SENDER_TESTS, PROPERTIES),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="hung-chunk-ends-before-settling",
+        file=PIPELINE,
+        original="""\
+            if settled is None or settled():
+                return True, (chunk, chunk.hung, False, True)""",
+        replacement="""\
+            if True:  # MUTANT: a hung chunk ends at its first sweep, settled or not
+                return True, (chunk, chunk.hung, False, True)""",
+        kind="race",
+        description="a hung chunk is ended (handle released, slot returned) at the first sweep "
+        "although NIXL still has its write in progress: its late bytes may land in pages or a "
+        "slot given to another room",
+        tests=(PROPERTIES, LOAD_DEFECTS),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="abandon-ignores-the-claim",
+        file=PIPELINE,
+        original="""\
+            if not chunk.claim():
+                continue""",
+        replacement="""\
+            if not chunk.claim() and not end[2]:  # MUTANT: close() abandons claimed chunks too
+                continue""",
+        kind="race",
+        description="close()'s abandon path ends a chunk another thread already claimed (its "
+        "poll saw the end first): the transfer is released twice and the chunk counted twice",
+        tests=(PROPERTIES, LOAD_DEFECTS, DPOR),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="notice-before-the-last-drain",
+        file=ROOMS,
+        original="""\
+                elif drained and left == 0:""",
+        replacement="""\
+                elif drained:  # MUTANT: the notice goes when the first draining chunk ends""",
+        kind="race",
+        description="a purged opening's room notice is queued when its first draining chunk "
+        "ends, not its last: the decode side is told its pages are free while a write of the "
+        "room may still land in them",
+        tests=("tests/test_room_notices.py",),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="batched-send-registers-outside-the-gate",
+        file=PIPELINE,
+        original="""\
+        ends: list[_End] = []
+        with entry.gate.write_untimed():
+            chunks = rooms.begin_chunk(
+                handle, chunk_idx, start, kv_indices, src_checked, is_last, entry_expected=entry
+            )
+            if chunks:""",
+        replacement="""\
+        ends: list[_End] = []
+        chunks = rooms.begin_chunk(  # MUTANT: registered before the gate is taken
+            handle, chunk_idx, start, kv_indices, src_checked, is_last, entry_expected=entry
+        )
+        with entry.gate.write_untimed():
+            if chunks:""",
+        kind="race",
+        description="the batched inline send registers its chunks before taking the room's "
+        "post gate: a purge between registration and post returns, then the writes are posted",
+        tests=(DPOR_FENCE, "tests/test_sender.py"),
+        stress=SENDER_STRESS,
+    ),
+    Mutant(
+        id="small-page-list-repeats-missed",
+        file="sender/pages.py",
+        original="""\
+        return min(values), max(values), unique and len(set(values)) != n""",
+        replacement="""\
+        return min(values), max(values), False  # MUTANT: short lists never repeat""",
+        kind="sequential",
+        description="the Python path of the page scan (up to 32 pages) never reports a repeat: "
+        "repeated destination pages of short lists pass make_transfer_info and CheckedPages",
+        tests=(PROPERTIES, "tests/test_load_defects.py", "tests/test_data_path.py"),
+    ),
+    Mutant(
+        id="sweep-only-when-idle",
+        file=PIPELINE,
+        original="""\
+            self.maybe_sweep()  # also under steady traffic, when the queue is never empty""",
+        replacement="""\
+            pass  # MUTANT: hung chunks are swept only when a worker finds its queue empty""",
+        kind="race",
+        description="a worker sweeps hung chunks only when its queue stays empty for 50 ms "
+        "(the audited shape): under steady traffic a settled hung chunk keeps its slot",
+        tests=(LOAD_DEFECTS,),
         stress=SENDER_STRESS,
     ),
     Mutant(
