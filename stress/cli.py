@@ -23,6 +23,7 @@ import random
 import sys
 from collections.abc import Sequence
 
+from stress import metrics_sink
 from stress.framework import (
     QUICK_DURATION_S,
     Scenario,
@@ -148,6 +149,12 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
     parser.add_argument(
+        "--metrics", metavar="PATH", default=None,
+        help="write the sender scenarios' Prometheus metrics (text exposition: rooms by "
+        "outcome and reason, latency histograms, the last manager's counters) to PATH at the "
+        "end; needs the 'metrics' extra",
+    )  # fmt: skip
+    parser.add_argument(
         "--quick", action="store_true", help=f"~{QUICK_DURATION_S:g} s per scenario"
     )
     parser.add_argument(
@@ -212,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"seed: {seed}", flush=True)
     for name, why in skipped.items():
         print(f"note: skipping scenario {name!r}: it {why}", flush=True)
+    if args.metrics:
+        why_not = metrics_sink.enable()
+        if why_not is not None:
+            parser.exit(2, f"{parser.prog}: error: {why_not}\n")
     progress = {"auto": None, "on": True, "off": False}[args.progress]
     results: list[ScenarioResult] = [
         skipped_result(name, why, config) for name, why in skipped.items()
@@ -259,6 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--require-all: {len(skips)} scenario(s) skipped: exit {EXIT_SKIPPED}", flush=True)
     if args.json:
         write_json(args.json, config, results)
+    if args.metrics:
+        exposition = metrics_sink.exposition()
+        if exposition is not None:
+            with open(args.metrics, "wb") as out:
+                out.write(exposition)
+            print(f"metrics: {args.metrics}", flush=True)
     if failed:
         return 1
     return EXIT_SKIPPED if skips and args.require_all else 0

@@ -42,6 +42,7 @@ from sender.poll import KVPoll
 from sender.transport import NixlTransport
 from staging.buffers import StagingBufferPool
 from staging.context import RoomHandle, StagingContext
+from stress import metrics_sink
 from stress.framework import JSONValue, Monitor, StressConfig, WorkerCounters, percentile
 from stress.invariants import (
     DECODE_PAGE_AUDIT,
@@ -671,6 +672,7 @@ class SenderRig:
         monitor: Monitor | None = None,
     ) -> None:
         self.config = config
+        self.scenario = monitor.scenario if monitor is not None else "sender"
         self.sessions = sessions
         self.peer_pages = peer_pages
         self.stats = RigStats()
@@ -762,7 +764,9 @@ class SenderRig:
             staging_region=region,
             notify_decode=self.config.plant_bug != PLANT_NO_NOTICES,
             tracker=self.notices,
+            events=metrics_sink.listener(),
         )
+        metrics_sink.watch(self.scenario, self.mgr)
         self.rooms_used = []
         self._tx_done_before = self.tx.stats().transfers_done
         return self.mgr
