@@ -516,6 +516,12 @@ class ChunkPipeline:
             worker.join(bounded_wait(max(0.5, deadline - time.monotonic())))
         return [w.name for w in self.workers if w.is_alive()]
 
+    def _sweep_busy(self) -> None:
+        """The sweep a busy worker does (between the polls of its chunks, after each unit):
+        under steady traffic its queue is never empty for long, so the idle sweep alone would
+        never come."""
+        self.maybe_sweep()  # the busy path's sweep
+
     def _worker_main(self) -> None:
         while True:
             try:
@@ -535,10 +541,10 @@ class ChunkPipeline:
                 while pending:
                     pending = self.poll_all(pending)
                     if pending:
-                        self.maybe_sweep()
+                        self._sweep_busy()
                         pause = next(pauses)
                         hung = self.rooms.hung
                         pause_between_polls(min(pause, HUNG_SWEEP_S) if hung else pause)
             except BaseException as exc:  # a worker never dies: the room fails instead
                 self.rooms.internal_error(unit[0], exc, chunk_ends=False)
-            self.maybe_sweep()  # also under steady traffic, when the queue is never empty
+            self._sweep_busy()

@@ -91,16 +91,20 @@ def staging_pool(sender_pool: SenderPool) -> Iterator[SignallingPool]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("scheduler_polls", [True, False])
 def test_d1_settled_hung_chunk_ends_under_steady_traffic(
     sender_pool: SenderPool,
     staging_pool: SignallingPool,
     decode_peer: Any,
     peer_factory: Callable[..., Any],
+    scheduler_polls: bool,
 ) -> None:
     """A chunk to a stopped peer passes its deadline (hung: room failed, chunk kept with its
     slot); the peer resumes and the write settles. While one worker is kept busy by steady
     traffic to a healthy peer, the hung chunk must still end (``draining`` 0, slot back).
-    At 668dd63 only an idle worker swept hung chunks: under traffic it stayed draining."""
+    At 668dd63 only an idle worker swept hung chunks: under traffic it stayed draining. The
+    traffic's schedulers either poll their rooms (``poll()``, which sweeps too) or only read
+    their status (``handle_status``): then the busy worker's own sweep must come."""
     tx = sender_pool.transport
     hung_peer = peer_factory()
     tx.add_peer("hung", hung_peer.metadata)
@@ -145,7 +149,12 @@ def test_d1_settled_hung_chunk_ends_under_steady_traffic(
                         s.send([room % 200])
                         batch.append(s)
                     for s in batch:
-                        conclude(s, 30)
+                        if scheduler_polls:
+                            conclude(s, 30)
+                        else:
+                            wait_until(
+                                lambda s=s: mgr.handle_status(s.handle) in CONCLUDED, 30, 0.0005
+                            )
                         s.clear()
                         rooms_done[0] += 1
             except BaseException as exc:

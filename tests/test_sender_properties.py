@@ -43,15 +43,35 @@ pytestmark = [pytest.mark.nixl, requires_nixl]
 SWEEP_S = 0.05
 
 
-class LedgerTransport:
-    """The real transport, each write kept in a :class:`TransferLedger` (releases counted)."""
+class _SlowRelease:
+    """A real transfer whose ``release()`` takes ``delay_s`` first: it widens the window
+    between a chunk's claim and the end of its accounting, where ``close()`` may come."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self._inner = inner
+        self._delay_s = delay_s
+
+    def release(self) -> None:
+        time.sleep(self._delay_s)
+        self._inner.release()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class LedgerTransport:
+    """The real transport, each write kept in a :class:`TransferLedger` (releases counted);
+    with ``release_delay_s`` each release first takes that long."""
+
+    def __init__(self, inner: Any, release_delay_s: float = 0.0) -> None:
         self.inner = inner
         self.ledger = TransferLedger()
+        self.release_delay_s = release_delay_s
 
     def write_pages(self, *args: Any, **kw: Any) -> Any:
         xfer = self.inner.write_pages(*args, **kw)
+        if self.release_delay_s:
+            xfer = _SlowRelease(xfer, self.release_delay_s)
         notif = args[3] if len(args) > 3 else kw.get("notif")
         room = _room_of(notif)
         assert room is not None
@@ -77,20 +97,25 @@ def _ended_once(mgr: KVManager) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("workers", [0, 3])
+@pytest.mark.parametrize(("workers", "peer_state"), [(0, "stopped"), (3, "stopped"),
+                                                     (0, "running"), (3, "running")])
 def test_every_chunk_ends_once_on_every_end_path_including_close_abandon(
-    sender_pool: SenderPool, peer_factory: Callable[..., Any], workers: int
+    sender_pool: SenderPool, peer_factory: Callable[..., Any], workers: int, peer_state: str
 ) -> None:
-    """Rounds of 12 rooms to a peer that is stopped, so every write stays in progress; the
-    rooms are cleared, and ``close(timeout_s=0)`` races ``wait_drained`` and ``progress``
-    from other threads (switch interval 1 µs) -- so each chunk's end is claimed by one of
-    them, or abandoned; then the peer resumes and the abandoned writes land. Every transfer
-    must have been released exactly once, and every chunk counted once."""
+    """Rounds of 12 rooms; the rooms are cleared and ``close(timeout_s=0)`` races
+    ``wait_drained`` and ``progress`` from other threads (switch interval 1 µs). With the
+    peer *stopped* every write stays in progress: each chunk's end is abandoned by close(),
+    then the peer resumes and the abandoned writes land. With the peer *running* the writes
+    complete, and each chunk's end is claimed by whichever thread polls it first -- a
+    worker, a poller, or close() -- while releases take 2 ms (so close() often finds a chunk
+    claimed but not yet accounted). Every transfer must have been released exactly once,
+    and every chunk counted once."""
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
     peer = peer_factory()
-    tx = LedgerTransport(sender_pool.transport)
+    running = peer_state == "running"
+    tx = LedgerTransport(sender_pool.transport, release_delay_s=0.002 if running else 0.0)
     sender_pool.transport.add_peer("d", peer.metadata)
     old = sys.getswitchinterval()
     try:
@@ -101,7 +126,8 @@ def test_every_chunk_ends_once_on_every_end_path_including_close_abandon(
             warm.send([0])
             assert _wait(lambda w=warm: w.poll() is KVPoll.Success, 30)
             warm.clear()
-            peer.stop()
+            if not running:
+                peer.stop()
             senders = []
             for i in range(12):
                 room = 100 * round_no + i
@@ -112,7 +138,8 @@ def test_every_chunk_ends_once_on_every_end_path_including_close_abandon(
             # Each worker polls the chunk it posted until it ends: `workers` are in flight,
             # the rest wait in the queue (and are skipped once their rooms are cleared).
             posted = 12 if workers == 0 else workers
-            assert _wait(lambda m=mgr, n=posted: m.stats().transfers_inflight >= n, 30)
+            if not running:
+                assert _wait(lambda m=mgr, n=posted: m.stats().transfers_inflight >= n, 30)
             for s in senders:
                 s.clear()
             sys.setswitchinterval(1e-6)
@@ -147,7 +174,8 @@ def test_every_chunk_ends_once_on_every_end_path_including_close_abandon(
             try:
                 mgr.close(timeout_s=0.0)
             finally:
-                peer.cont()
+                if not running:
+                    peer.cont()
             for t in pollers:
                 t.join(30)
             sys.setswitchinterval(old)
@@ -160,8 +188,9 @@ def test_every_chunk_ends_once_on_every_end_path_including_close_abandon(
                 assert tx.ledger.live_of(s.bootstrap_room) == 0, "a transfer never released"
             _ended_once(mgr)
             st_ = mgr.stats()
-            assert st_.chunks_drained == posted, st_  # posted, then purged: each drained once
-            assert st_.chunks_skipped == 12 - posted, st_  # queued, never posted
+            if not running:
+                assert st_.chunks_drained == posted, st_  # posted, then purged: drained once
+                assert st_.chunks_skipped == 12 - posted, st_  # queued, never posted
     finally:
         sys.setswitchinterval(old)
 
@@ -329,3 +358,163 @@ def shared_transport() -> Any:
         sp.transport._xfer_agent = spy.inner
         sp.transport.close()
         peer.close()
+
+
+# ---------------------------------------------- draining counts the slots a worker holds
+
+
+class _BlockingGatherPool(StagingBufferPool):
+    """A real staging pool whose ``gather`` waits for ``proceed`` (the worker then holds a
+    slot for its room, before the post fence)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gathering = threading.Event()
+        self.proceed = threading.Event()
+
+    def gather(self, *args: Any, **kw: Any) -> int:
+        self.gathering.set()
+        self.proceed.wait(30)
+        return super().gather(*args, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_draining_counts_a_slot_a_worker_holds_for_a_purged_room(
+    sender_pool: SenderPool, decode_peer: Any
+) -> None:
+    """``draining(handle)`` is what a purged opening still holds: also a staging slot that a
+    worker leased for it before the purge and still holds (here: gathering into it, held
+    there by the test) though no chunk of it was posted. Another thread purges the room
+    meanwhile; until the worker lets the slot go, ``draining`` must say 1 and
+    ``wait_drained(handle, 0)`` ``False``; then both 0/``True``, and the slot is back."""
+    tx = sender_pool.transport
+    tx.add_peer("d", decode_peer.metadata())
+    pool = _BlockingGatherPool(2, 1, PAGE_BYTES)
+    tx.register_region("staging", pool.tensor, PAGE_BYTES)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    mgr = KVManager(tx, sender_pool.pool, num_workers=1, staging_pool=pool)
+    try:
+        s = NixlKVSender(mgr, 3, ["d"], [make_transfer_info("d", [7])])
+        s.init(1)
+        s.send([2])
+        assert pool.gathering.wait(30), "the worker never gathered"
+        answers: list[tuple[int, bool, int]] = []
+
+        def purge_and_ask() -> None:  # another thread (a reaper) purges, then asks
+            s.clear()
+            for _ in range(200):
+                answers.append((mgr.draining(s.handle), mgr.wait_drained(s.handle, 0),
+                                pool.owner_slots(s.handle)))
+
+        t = threading.Thread(target=purge_and_ask, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive()
+        wrong = [a for a in answers if a[2] and (a[0] == 0 or a[1])]
+        assert not wrong, f"draining/wait_drained said nothing is held while a slot was: {wrong[0]}"
+        assert answers and all(a[2] == 1 for a in answers)
+        pool.proceed.set()
+        assert mgr.wait_drained(s.handle, 30) and pool.owner_slots(s.handle) == 0
+        assert mgr.stats().chunks_skipped == 1  # it reached the fence and was skipped
+    finally:
+        sys.setswitchinterval(old)
+        pool.proceed.set()
+        mgr.close()
+        pool.close()
+    _ended_once(mgr)
+
+
+# --------------------------------------------- a notice waits for the last draining chunk
+
+
+class _HeldTransfer:
+    """A real transfer that answers ``PROC`` until its ``hold`` is released."""
+
+    def __init__(self, inner: Any, hold: threading.Event) -> None:
+        self._inner = inner
+        self._hold = hold
+
+    def poll(self) -> str:
+        state = str(self._inner.poll())
+        return state if self._hold.is_set() else "PROC"
+
+    def settled(self) -> bool:
+        return self._hold.is_set()
+
+    def release(self) -> None:
+        self._inner.release()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _HoldingTransport:
+    """The real transport; the n-th write is held until ``holds[n]`` is set."""
+
+    def __init__(self, inner: Any, n: int) -> None:
+        self.inner = inner
+        self.holds = [threading.Event() for _ in range(n)]
+        self._writes = 0
+        self._lock = threading.Lock()
+
+    def write_pages(self, *args: Any, **kw: Any) -> Any:
+        xfer = self.inner.write_pages(*args, **kw)
+        with self._lock:
+            n = self._writes
+            self._writes += 1
+        return _HeldTransfer(xfer, self.holds[n]) if n < len(self.holds) else xfer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_room_notice_waits_for_the_last_draining_chunk(
+    sender_pool: SenderPool, decode_peer: Any, workers: int
+) -> None:
+    """A room with two chunks in flight is cleared: its notice must reach the decode side only
+    once *both* have ended (PROTOCOL.md §3: once told, no byte of the room lands any more).
+    The first write completes, the test sees its chunk end, and for a while the room must stay
+    unknown at the peer; then the second completes and the notice comes. The chunks are ended
+    by workers, or (inline) by a poller thread of the test's."""
+    tx = sender_pool.transport
+    tx.add_peer("d", decode_peer.metadata())
+    held = _HoldingTransport(tx, 2)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    mgr = KVManager(held, sender_pool.pool, num_workers=workers)  # type: ignore[arg-type]
+    stop = threading.Event()
+    try:
+        s = NixlKVSender(mgr, 9, ["d"], [make_transfer_info("d", [10, 11])])
+        s.init(2)
+        s.send([1])
+        s.send([2])
+        assert _wait(lambda: held._writes == 2, 30)
+        s.clear()
+        handle = s.handle
+        assert mgr.draining(handle) == 2
+
+        def poller() -> None:  # inline: someone has to poll the draining chunks
+            while not stop.is_set():
+                mgr.wait_drained(None, 0)
+                time.sleep(0.0005)
+
+        t = threading.Thread(target=poller, daemon=True)
+        t.start()
+        held.holds[0].set()
+        assert _wait(lambda: mgr.draining(handle) == 1, 30), "the first chunk never ended"
+        told_early = decode_peer.wait_room_failed(9, handle.generation, 0.3)
+        assert told_early is None, "the decode side was told while a chunk still drained"
+        held.holds[1].set()
+        assert _wait(lambda: mgr.draining(handle) == 0, 30)
+        assert decode_peer.wait_room_failed(9, handle.generation, 10) is not None
+    finally:
+        stop.set()
+        for h in held.holds:
+            h.set()
+        sys.setswitchinterval(old)
+        mgr.close()
+    t.join(10)
+    assert not t.is_alive()

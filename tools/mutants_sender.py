@@ -312,9 +312,9 @@ MUTANTS: tuple[Mutant, ...] = (
         id="sweep-only-when-idle",
         file=PIPELINE,
         original="""\
-            self.maybe_sweep()  # also under steady traffic, when the queue is never empty""",
+        self.maybe_sweep()  # the busy path's sweep""",
         replacement="""\
-            pass  # MUTANT: hung chunks are swept only when a worker finds its queue empty""",
+        pass  # MUTANT: hung chunks are swept only when a worker's queue stays empty""",
         kind="race",
         description="a worker sweeps hung chunks only when its queue stays empty for 50 ms "
         "(the audited shape): under steady traffic a settled hung chunk keeps its slot",
