@@ -106,6 +106,9 @@ def check_lock_timeout(timeout: object, what: str = "lock timeout") -> float | N
     return seconds
 
 
+_get_ident = threading.get_ident  # bound once: the inline paths call it per acquisition
+
+
 def _new_thread_lock() -> threading.Lock:
     # Looked up at call time, not bound at import: patched ``threading.Lock`` is honoured.
     return threading.Lock()
@@ -151,12 +154,27 @@ class StagingLock(Protocol):
     @property
     def debug(self) -> bool: ...
 
+    inline_mutex: threading.Lock | None
+    """A raw mutex that a hot caller may take inline, or ``None`` (see ``MutexLock``)."""
+
     def read(self) -> _Guard:
         """Context manager holding the lock in shared (read) mode."""
         ...
 
     def write(self) -> _Guard:
         """Context manager holding the lock in exclusive (write) mode."""
+        ...
+
+    def acquire_write(self) -> None:
+        """``write()`` without a context manager: pair it with :meth:`release_write`."""
+        ...
+
+    def acquire_write_untimed(self) -> None:
+        """``write_untimed()`` without a context manager: pair it with :meth:`release_write`."""
+        ...
+
+    def release_write(self) -> None:
+        """Release what :meth:`acquire_write` or :meth:`acquire_write_untimed` took."""
         ...
 
     def assert_held(self, mode: LockMode) -> None:
@@ -225,7 +243,7 @@ class _FastMutexGuard(_Guard):
             self._lock._acquire_contended(self._inner, self._mode, untimed=self._untimed)
             return
         lock = self._lock
-        lock._owner = threading.get_ident()  # the holder's own writes, as in _acquire
+        lock._owner = _get_ident()  # the holder's own writes, as in _acquire
         if self._mode == "write":
             lock._writes += 1
         else:
@@ -404,12 +422,16 @@ class RWLock(_LockBase):
 
     kind: LockKind = "rw"
     _exclusive_only = False
+    inline_mutex: threading.Lock | None = None  # never taken inline (see MutexLock)
 
     def __init__(
         self, name: str, level: int, *, timeout: float | None = None, debug: bool | None = None
     ) -> None:
         super().__init__(name, level, timeout=timeout, debug=debug)
         self._rw = rwlock.RWLockFair(lock_factory=_new_thread_lock)
+        # The generated writer of the acquisition made by acquire_write*: guarded by the
+        # write side itself (only its holder stores or reads it).
+        self._writer: _Acquirable | None = None
 
     def _held_by_anyone(self) -> bool:
         probe = self._rw.gen_wlock()
@@ -430,6 +452,29 @@ class RWLock(_LockBase):
         """Hold exclusively, ignoring ``timeout`` (waits as long as it takes).
         Raises: LockReentryError, LockOrderError (debug mode)."""
         return _Guard(self, self._rw.gen_wlock(), "write", untimed=True)
+
+    def acquire_write(self) -> None:
+        """As ``write().__enter__()``; release with :meth:`release_write`.
+        Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        writer = self._rw.gen_wlock()
+        self._acquire(writer, "write")
+        self._writer = writer
+
+    def acquire_write_untimed(self) -> None:
+        """As ``write_untimed().__enter__()``; release with :meth:`release_write`.
+        Raises: LockReentryError, LockOrderError (debug mode)."""
+        writer = self._rw.gen_wlock()
+        self._acquire(writer, "write", untimed=True)
+        self._writer = writer
+
+    def release_write(self) -> None:
+        """Release the write side taken by :meth:`acquire_write`/:meth:`acquire_write_untimed`.
+        Raises: LockNotHeldError: the calling thread does not hold it that way."""
+        writer = self._writer
+        if writer is None or self._owner != _get_ident():
+            raise LockNotHeldError(f"{self._name!r} is not held for write by this thread")
+        self._writer = None
+        self._release(writer, "write")
 
 
 class MutexLock(_LockBase):
@@ -452,6 +497,13 @@ class MutexLock(_LockBase):
         self._read_guard = guard(self, self._mutex, "read")
         self._write_guard = guard(self, self._mutex, "write")
         self._untimed_guard = guard(self, self._mutex, "write", untimed=True)
+        self._inline = not self._debug  # acquire_write* take _FastMutexGuard's inline path
+        # The raw mutex when the lock may be taken inline (not in debug mode), else None.
+        # For the hottest caller only (StagingContext.request_prefetch), which then does
+        # exactly acquire_write's steps: acquire(False); on success store the owner
+        # (threading.get_ident()) and count the write; on failure _acquire_contended (which
+        # counts the contention and waits); release with `_owner = None`, then release().
+        self.inline_mutex: threading.Lock | None = None if self._debug else self._mutex
 
     def _held_by_anyone(self) -> bool:
         return self._mutex.locked()
@@ -468,6 +520,45 @@ class MutexLock(_LockBase):
         """Hold exclusively, ignoring ``timeout`` (waits as long as it takes).
         Raises: LockReentryError, LockOrderError (debug mode)."""
         return self._untimed_guard
+
+    # acquire_write*/release_write: the guard's two steps as plain methods, for the hottest
+    # callers (StagingContext's writers). A `with` block calls __enter__ and __exit__ from C,
+    # which costs about 1,200 more instructions per acquisition than two Python-level calls
+    # (measured with callgrind, CPython 3.11). The same owner, counters and contended path as
+    # _FastMutexGuard (or, in debug mode, as _Guard).
+
+    def acquire_write(self) -> None:
+        """As ``write().__enter__()``; release with :meth:`release_write`.
+        Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        mutex = self._mutex
+        if not self._inline:
+            self._acquire(mutex, "write")
+        elif mutex.acquire(False):
+            self._owner = _get_ident()
+            self._writes += 1
+        else:
+            self._acquire_contended(mutex, "write", untimed=False)
+
+    def acquire_write_untimed(self) -> None:
+        """As ``write_untimed().__enter__()``; release with :meth:`release_write`.
+        Raises: LockReentryError, LockOrderError (debug mode)."""
+        mutex = self._mutex
+        if not self._inline:
+            self._acquire(mutex, "write", untimed=True)
+        elif mutex.acquire(False):
+            self._owner = _get_ident()
+            self._writes += 1
+        else:
+            self._acquire_contended(mutex, "write", untimed=True)
+
+    def release_write(self) -> None:
+        """Release what :meth:`acquire_write`/:meth:`acquire_write_untimed` took. The caller
+        must hold it (as with ``__exit__``, this is not checked outside debug mode)."""
+        if self._inline:
+            self._owner = None
+            self._mutex.release()
+        else:
+            self._release(self._mutex, "write")
 
 
 LOCK_KINDS: tuple[LockKind, ...] = ("rw", "mutex")
