@@ -274,17 +274,9 @@ class StagingContext:
         Raises:
             TypeError, ValueError: bad ``room``.
         """
-        generation: int | None
-        if type(room) is RoomHandle:
-            room_id, generation = room.room, room.generation
-        else:
-            room_id, generation = self._ref(room)
-        lock = self._lock
-        lock.acquire_write_untimed()
-        try:
+        room_id, generation = self._ref(room)
+        with self._lock.write_untimed():
             state = self._close_locked(room_id, generation)
-        finally:
-            lock.release_write()
         if state is None:
             return RoomPurge(room_id, False, False, frozenset())
         # Built after the lock is released (a purged _Room is never mutated again), by slot
