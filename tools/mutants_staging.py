@@ -279,4 +279,47 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
+    Mutant(
+        id="purge-session-room-by-room",
+        file=CONTEXT,
+        original="""\
+            if not by_room:
+                return frozenset()
+            for room_id in by_room:
+                state = self._rooms[room_id]
+""",
+        replacement="""\
+            if not by_room:
+                return frozenset()
+        for room_id in by_room:  # MUTANT: each room's keys go in a critical section of its own
+            with self._lock.write_untimed():
+                state = self._rooms.get(room_id)
+                if state is None:
+                    continue
+""",
+        kind="race",
+        description="purge_session drops the session's keys room by room, one acquisition "
+        "per room: a multi-key reader (snapshot, prefetch_requested) sees it half done",
+        tests=STAGING_TESTS,
+        stress=STAGING_STRESS,
+    ),
+    Mutant(
+        id="prefetch-requested-room-by-room",
+        file=CONTEXT,
+        original="""\
+        with self._lock.read():
+            return self._requested_unlocked()
+""",
+        replacement="""\
+        keys: list[PrefetchKey] = []  # MUTANT: one locked read per room, not one for all
+        for room in self.open_rooms:
+            keys.extend((room, chunk, session) for chunk, session in self.room_requests(room))
+        return frozenset(keys)
+""",
+        kind="race",
+        description="the prefetch_requested snapshot reads the rooms one acquisition at a "
+        "time (purge_session itself intact): a session can be seen half removed",
+        tests=STAGING_TESTS,
+        stress=STAGING_STRESS,
+    ),
 )
