@@ -9,6 +9,7 @@ medians, ratios and goal lines, and asserts nothing: speed is reported, never te
 * ``bench.purge_scaling``, ``bench.lifecycle`` -- benchmarks 1 and 2.
 * ``bench.transfer_share``, ``bench.throughput``, ``bench.stress_rooms`` -- benchmarks 3-5,
   over real NIXL to a decode peer process.
-* ``python -m bench.lifecycle_profile [--quick]`` -- where an ``rw`` lifecycle's time goes
-  (ablation, micro costs, cProfile, what-if); a diagnostic, not part of ``make bench``.
+* ``python -m bench.lifecycle_profile [--quick]`` -- where a lifecycle's time goes
+  (ablation, micro costs, cProfile, what-if, threads and convoys); a diagnostic, not part
+  of ``make bench``.
 """
