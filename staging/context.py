@@ -399,9 +399,16 @@ class StagingContext:
             room_id, generation = room.room, room.generation
         else:
             room_id, generation = self._ref(room)
-        chunks = tuple(check_chunk_idx(chunk_idx) for chunk_idx in chunk_idxs)
-        session_id = check_session_id(session_id)
-        with self._lock.write():
+        chunks: Iterable[int]
+        if type(chunk_idxs) is range and chunk_idxs.start >= 0 and chunk_idxs.step > 0:
+            chunks = chunk_idxs  # every member an exact int >= 0 (the common call)
+        else:
+            chunks = tuple(check_chunk_idx(chunk_idx) for chunk_idx in chunk_idxs)
+        if type(session_id) is not str or not session_id:
+            session_id = check_session_id(session_id)
+        lock = self._lock
+        lock.acquire_write()
+        try:
             state = self._live(room_id, generation)
             if state is None:
                 return frozenset()
@@ -413,6 +420,8 @@ class StagingContext:
             self._requested_keys += len(fresh)
             if session_id not in state.sessions:
                 self._index_session(state, session_id, room_id)
+        finally:
+            lock.release_write()
         return frozenset(c for c, _ in fresh)
 
     def cancel_prefetch(self, room: RoomRef, chunk_idx: int, session_id: str) -> bool:
