@@ -287,7 +287,9 @@ class _LockBase:
         self._debug = debug_from_env() if debug is None else bool(debug)
         self._count_contention = self._debug or self._exclusive_only
         # Thread ident of the exclusive holder (write mode, or any mode of a mutex), or None.
-        # Written only by the holder, after acquiring and before releasing.
+        # Written only by the holder, after acquiring and before releasing: _note_acquired /
+        # _release, and the inline paths of a non-debug mutex (_FastMutexGuard,
+        # MutexLock.acquire_write*/release_write, StagingContext.request_prefetch).
         self._owner: int | None = None
         # Counters. _writes, and _reads of an exclusive-only lock, are guarded by the lock
         # itself (only the exclusive holder increments them); _reads of a shared-mode lock,

@@ -253,6 +253,47 @@ def test_contract_suite_runs_on_the_fast_mutex_guard(monkeypatch: pytest.MonkeyP
         fast.assert_held("write")
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_acquire_write_pair_behaves_like_the_write_guard(kind: str, debug: bool) -> None:
+    lock = make_lock(kind, "t", 1, debug=debug)
+    for acquire in (lock.acquire_write, lock.acquire_write_untimed):
+        acquire()
+        try:
+            lock.assert_held("write")
+            if debug:
+                with pytest.raises(LockReentryError):
+                    lock.acquire_write()
+        finally:
+            lock.release_write()
+        with pytest.raises(LockNotHeldError):
+            lock.assert_held("write")
+    assert lock.stats().write_acquisitions == 2
+    if kind == "rw" or debug:  # the checked paths refuse a release that holds nothing
+        with pytest.raises((LockNotHeldError, RuntimeError)):
+            lock.release_write()
+    with lock.write():  # still usable
+        pass
+
+
+def test_acquire_write_times_out_like_the_guard(kind: str) -> None:
+    lock = make_lock(kind, "slow", 1, timeout=0.05)
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            lock.acquire_write()
+        except LockTimeoutError as exc:
+            errors.append(exc)
+        else:  # pragma: no cover - the holder never lets go in time
+            lock.release_write()
+
+    with lock.write():
+        t = threading.Thread(target=waiter, daemon=True)
+        t.start()
+        _join(t)
+    assert len(errors) == 1 and lock.stats().timeouts == 1
+
+
 # ---------------------------------------------------------------- ownership under contention
 #
 # The contract (docs/THREADING.md, "The lock model"): ``assert_held(mode)`` raises
