@@ -14,6 +14,7 @@ medians, ratios and goal lines, and asserts nothing: speed is reported, never te
   transport, counted by valgrind's callgrind (``make bench-instructions``; not in ``--quick``).
 * ``bench._noop`` (a transport that moves nothing), ``bench._bare_room`` (the Lock + dicts
   reference room), ``bench._callgrind_child`` (the program callgrind counts).
-* ``python -m bench.lifecycle_profile [--quick]`` -- where an ``rw`` lifecycle's time goes
-  (ablation, micro costs, cProfile, what-if); a diagnostic, not part of ``make bench``.
+* ``python -m bench.lifecycle_profile [--quick]`` -- where a lifecycle's time goes
+  (ablation, micro costs, cProfile, what-if, threads and convoys); a diagnostic, not part
+  of ``make bench``.
 """

@@ -1,26 +1,31 @@
-"""Where a ``StagingContext(lock="rw")`` lifecycle spends its time (a diagnostic, not a benchmark).
+"""Where a ``StagingContext`` lifecycle spends its time (a diagnostic, not a benchmark).
 
-``python -m bench.lifecycle_profile [--quick]`` prints three views, single-threaded:
+``python -m bench.lifecycle_profile [--quick]`` prints five views:
 
-1. **Ablation** of the whole lifecycle of :mod:`bench.lifecycle` (interleaved rounds,
-   medians): shipped ``rw``; ``rw`` with debug checks on; ``mutex``; the context with its
-   lock swapped for a no-op (everything but the lock layer); that plus argument validation
-   stubbed out (bodies, dispatch and result objects only); and the ``threading.Lock``
-   reference and the bare floor. Differences between neighbours give each layer's cost.
-2. **Micro** costs per acquire+release: a bare ``threading.Lock``, ``RWLockFair`` driven
-   directly (blocking ``acquire()`` and the non-blocking ``acquire(False)`` probe our wrapper
-   makes first), our ``RWLock``/``MutexLock`` guards, guard construction alone, and the
-   argument checks of one call. Composed with the read and write acquisitions one lifecycle
-   makes (counted by the lock's own stats) they split the lock layer into library internals
-   and our wrapper.
-3. **cProfile** of the shipped ``rw`` lifecycle: the top functions by own time (cProfile
-   inflates per-call costs of small functions; read it for call counts and ranking).
-4. **What-if** lifecycles with candidate savings applied to a context from outside (a
-   subclass of our ``RWLock`` swapped in; validators wrapped in an exact-``int`` fast path)
-   to size each suggestion before anyone edits ``staging``.
+1. **Ablation** of the whole lifecycle of :mod:`bench.lifecycle`, single-threaded
+   (interleaved rounds, medians): the default ``mutex``; ``mutex`` with debug checks on;
+   ``rw``; the context with its lock swapped for a no-op (everything but the lock layer);
+   that plus the argument validators stubbed out (the hot methods inline their exact-type
+   fast paths, so this now strips only what is left outside them); and the
+   ``threading.Lock`` reference and the bare floor. Differences between neighbours give
+   each layer's cost.
+2. **Micro** costs per operation: a bare ``threading.Lock``, our lock's guards and its
+   ``acquire_write``/``release_write`` pair, ``RWLockFair`` driven directly, argument checks,
+   and each call of the lifecycle on the default context beside the reference's.
+3. **cProfile** of the default lifecycle: the top functions by own time (cProfile inflates
+   per-call costs of small functions; read it for call counts and ranking).
+4. **What-if** lifecycles for ``rw`` with candidate savings applied from outside (a subclass
+   of our ``RWLock`` swapped in), to size each suggestion before anyone edits ``staging``.
+5. **Threads**: the default lifecycle at 2-8 threads, with contended waiters handing the GIL
+   to the holder first (``staging.locks.HANDOFF_YIELDS``, shipped) and blocking at once (as
+   before): rounds, the median ratio to the reference, the contended share and voluntary
+   context switches. A *convoy* -- every acquisition a hand-off through the kernel, see
+   ``staging.locks._LockBase._acquire_contended`` -- shows as a round with hundreds of
+   contended acquisitions and context switches.
 
-The ablation patches ``staging.context``'s validators and one context's ``_lock`` for the
-duration of a cell only; nothing in ``staging`` is edited.
+The ablation patches ``staging.context``'s validators, one context's ``_lock`` and (view 5)
+``staging.locks.HANDOFF_YIELDS`` for the duration of a cell only; nothing in ``staging`` is
+edited.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import resource
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import PurePath
 from types import TracebackType
 from typing import Protocol
@@ -39,14 +46,16 @@ from typing import Protocol
 from readerwriterlock import rwlock
 
 import staging.context as staging_context
+import staging.locks as staging_locks
 from bench._harness import format_table, gc_paused, interleave, median, timer_overhead_ns
-from bench.lifecycle import SESSION, LockedSets, PlainSets, context_work
+from bench.lifecycle import CHUNKS, SESSION, LockedSets, PlainSets, context_work, timed_threads
 from staging import StagingContext
 from staging.errors import LockTimeoutError
 from staging.locks import LockLevel, LockMode, RWLock, make_lock
 from staging.validate import check_chunk_idx, check_room_id, check_session_id
 
 VALIDATORS = ("check_room_id", "check_chunk_idx", "check_session_id")
+DEFAULT_LABEL = "mutex (shipped, the default)"
 
 
 class _NoGuard:
@@ -68,9 +77,20 @@ _NO_GUARD = _NoGuard()
 
 
 class _NullLock:
-    """Stands in for a context's lock: read()/write() return one shared no-op guard."""
+    """Stands in for a context's lock: read()/write() return one shared no-op guard, the
+    plain acquire/release methods do nothing."""
 
     kind = "none"
+    inline_mutex = None
+
+    def acquire_write(self) -> None:
+        return None
+
+    def acquire_write_untimed(self) -> None:
+        return None
+
+    def release_write(self) -> None:
+        return None
 
     def read(self) -> _NoGuard:
         return _NO_GUARD
@@ -254,19 +274,14 @@ def _lifecycle_cell(
 
 def ablation(n: int, rounds: int) -> dict[str, float]:
     """Median ns per lifecycle of each layer-stripped variant."""
+
+    def shipped(kind: str, debug: bool = False) -> Callable[[], Callable[[range], None]]:
+        return lambda: context_work(StagingContext(lock=kind, debug=debug))
+
     cells: list[tuple[str, Callable[[], float]]] = [
-        (
-            "rw (shipped)",
-            _lifecycle_cell(lambda: context_work(StagingContext(lock="rw", debug=False)), n),
-        ),
-        (
-            "rw, debug=True",
-            _lifecycle_cell(lambda: context_work(StagingContext(lock="rw", debug=True)), n),
-        ),
-        (
-            "mutex",
-            _lifecycle_cell(lambda: context_work(StagingContext(lock="mutex", debug=False)), n),
-        ),
+        (DEFAULT_LABEL, _lifecycle_cell(shipped("mutex"), n)),
+        ("mutex, debug=True", _lifecycle_cell(shipped("mutex", True), n)),
+        ("rw (shipped)", _lifecycle_cell(shipped("rw"), n)),
         ("no lock", _lifecycle_cell(lambda: context_work(_ctx_without_lock()), n)),
         (
             "no lock, no validation",
@@ -369,6 +384,42 @@ def micro(n: int, rounds: int) -> dict[str, float]:
         ),
     ]
     ctx.request_prefetch(handle, 3, SESSION)
+
+    def acquire_release() -> None:
+        ours_mutex.acquire_write()
+        ours_mutex.release_write()
+
+    default = StagingContext(debug=False)
+    mine = default.open_room(1)
+    default.request_prefetch(mine, 3, SESSION)
+    default.mark_prefetched(mine)
+    reference = LockedSets()
+    reference.open_room(1)
+    reference.request_prefetch(1, 3, SESSION)
+    reference.mark_prefetched(1)
+    rooms = iter(range(2, 10**9))
+
+    def open_purge(book: StagingContext | LockedSets) -> Callable[[], None]:
+        def op() -> None:
+            room = next(rooms)
+            book.purge_room(book.open_room(room))  # type: ignore[arg-type]
+
+        return op
+
+    ops += [
+        ("our MutexLock acquire_write+release_write", acquire_release),
+        (
+            "default ctx: request_prefetch (duplicate)",
+            lambda: default.request_prefetch(mine, 3, SESSION),
+        ),
+        ("ref: request_prefetch (duplicate)", lambda: reference.request_prefetch(1, 3, SESSION)),
+        ("default ctx: is_requested", lambda: default.is_requested(mine, 3, SESSION)),
+        ("ref: is_requested", lambda: reference.is_requested(1, 3, SESSION)),
+        ("default ctx: mark_prefetched (again)", lambda: default.mark_prefetched(mine)),
+        ("ref: mark_prefetched (again)", lambda: reference.mark_prefetched(1)),
+        ("default ctx: open_room + purge_room (empty)", open_purge(default)),
+        ("ref: open_room + purge_room (empty)", open_purge(reference)),
+    ]
     samples = interleave([(label, _loop_cell(op, n, loop_overhead)) for label, op in ops], rounds)
     result = {label: median(values) for label, values in samples.items()}
     result["(loop overhead subtracted)"] = loop_overhead
@@ -376,9 +427,10 @@ def micro(n: int, rounds: int) -> dict[str, float]:
     return result
 
 
-def acquisitions_per_lifecycle(n: int = 50) -> tuple[float, float]:
-    """(write, read) lock acquisitions one shipped-rw lifecycle makes, counted by the lock."""
-    ctx = StagingContext(lock="rw", debug=False)
+def acquisitions_per_lifecycle(n: int = 50, kind: str = "rw") -> tuple[float, float]:
+    """(write, read) lock acquisitions one shipped lifecycle of ``kind`` makes, counted by the
+    lock."""
+    ctx = StagingContext(lock=kind, debug=False)
     context_work(ctx)(range(n))
     stats = ctx.lock.stats()
     return stats.write_acquisitions / n, stats.read_acquisitions / n
@@ -392,9 +444,10 @@ def _where(key: tuple[str, int, str]) -> str:
     return f"{'/'.join(parts)}:{line}({func})"
 
 
-def profile(n: int, top: int = 18) -> list[tuple[str, int, float, float]]:
-    """cProfile of ``n`` shipped-rw lifecycles: (where, calls, own µs/lifecycle, share %)."""
-    work = context_work(StagingContext(lock="rw", debug=False))
+def profile(n: int, top: int = 18, kind: str = "mutex") -> list[tuple[str, int, float, float]]:
+    """cProfile of ``n`` shipped lifecycles of ``kind`` (the default: mutex): (where, calls,
+    own µs/lifecycle, share %)."""
+    work = context_work(StagingContext(lock=kind, debug=False))
     profiler = cProfile.Profile()
     with gc_paused():
         profiler.enable()
@@ -414,37 +467,117 @@ def profile(n: int, top: int = 18) -> list[tuple[str, int, float, float]]:
     ]
 
 
+CONVOY_CONTENDED = 100
+"""A round with more contended acquisitions than this (of ~26,000) is counted as a convoy."""
+
+
+@dataclass(frozen=True)
+class ThreadsRow:
+    """View 5, one cell: the default lifecycle at ``threads`` threads with contended waiters
+    handing the GIL over first (``yields`` > 0, shipped) or blocking at once (0)."""
+
+    threads: int
+    yields: int
+    ratio: float | None  # median per-round ratio to the reference
+    contended_median: float
+    contended_max: int
+    convoy_rounds: int
+    rounds: int
+    switches_median: float  # voluntary context switches of the process per round
+    reference_switches_median: float
+
+
+@contextmanager
+def _handoff_yields(count: int) -> Iterator[None]:
+    saved = staging_locks.HANDOFF_YIELDS
+    staging_locks.HANDOFF_YIELDS = count
+    try:
+        yield
+    finally:
+        staging_locks.HANDOFF_YIELDS = saved
+
+
+def threads_view(
+    threads: Sequence[int], lifecycles: int, rounds: int, yields: Sequence[int] | None = None
+) -> list[ThreadsRow]:
+    """View 5: per thread count and hand-off setting, ``rounds`` rounds of the default
+    lifecycle and the reference, side by side (see the module docstring)."""
+    settings = (staging_locks.HANDOFF_YIELDS, 0) if yields is None else tuple(yields)
+    rows: list[ThreadsRow] = []
+    for t in threads:
+        per_thread = max(1, lifecycles // t)
+        for count in settings:
+            ratios: list[float] = []
+            contended: list[int] = []
+            switches: list[int] = []
+            ref_switches: list[int] = []
+            for _ in range(rounds):
+                ctx = StagingContext(debug=False)
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+                with _handoff_yields(count):
+                    ns = timed_threads(context_work(ctx), t, per_thread)
+                middle = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+                ref_ns = timed_threads(context_work(LockedSets()), t, per_thread)
+                after = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+                ratios.append(ns / ref_ns)
+                contended.append(ctx.lock.stats().contended)
+                switches.append(middle - before)
+                ref_switches.append(after - middle)
+            rows.append(
+                ThreadsRow(
+                    threads=t,
+                    yields=count,
+                    ratio=median(ratios),
+                    contended_median=median([float(c) for c in contended]),
+                    contended_max=max(contended),
+                    convoy_rounds=sum(c > CONVOY_CONTENDED for c in contended),
+                    rounds=rounds,
+                    switches_median=median([float(x) for x in switches]),
+                    reference_switches_median=median([float(x) for x in ref_switches]),
+                )
+            )
+    return rows
+
+
 def report(quick: bool) -> str:
-    """Run all four views and return the text report."""
+    """Run all five views and return the text report."""
     n = 400 if quick else 2000
     rounds = 3 if quick else 7
     out: list[str] = []
 
     abl = ablation(n, rounds)
-    shipped = abl["rw (shipped)"]
+    shipped = abl[DEFAULT_LABEL]
     out.append(f"1. ablation, ns per lifecycle (single thread, {n} lifecycles x {rounds} rounds)")
     out.append(
         format_table(
-            ["variant", "ns/lifecycle", "share of rw"],
-            [{"variant": k, "ns/lifecycle": v, "share of rw": v / shipped} for k, v in abl.items()],
+            ["variant", "ns/lifecycle", "vs default", "vs lock-ref"],
+            [
+                {
+                    "variant": k,
+                    "ns/lifecycle": v,
+                    "vs default": v / shipped,
+                    "vs lock-ref": v / abl["lock-ref"],
+                }
+                for k, v in abl.items()
+            ],
         )
     )
     layers = {
-        "lock layer (rw - no lock)": shipped - abl["no lock"],
-        "validation (no lock - no lock,no validation)": abl["no lock"]
+        "lock layer (default - no lock)": shipped - abl["no lock"],
+        "validation left outside the inlined checks": abl["no lock"]
         - abl["no lock, no validation"],
         "bodies+dispatch+results (no lock,no validation)": abl["no lock, no validation"],
-        "debug checks (rw debug - rw), when on": abl["rw, debug=True"] - shipped,
-        "mutex instead of rw saves": shipped - abl["mutex"],
+        "debug checks (mutex debug - default), when on": abl["mutex, debug=True"] - shipped,
+        "rw instead of mutex costs": abl["rw (shipped)"] - shipped,
     }
     out.append(
         format_table(
-            ["layer (difference of ablation rows)", "ns/lifecycle", "% of rw"],
+            ["layer (difference of ablation rows)", "ns/lifecycle", "% of default"],
             [
                 {
                     "layer (difference of ablation rows)": k,
                     "ns/lifecycle": v,
-                    "% of rw": 100 * v / shipped,
+                    "% of default": 100 * v / shipped,
                 }
                 for k, v in layers.items()
             ],
@@ -457,22 +590,17 @@ def report(quick: bool) -> str:
     out.append(
         format_table(["operation", "ns"], [{"operation": k, "ns": v} for k, v in mic.items()])
     )
-    w_raw = mic["RWLockFair write: gen+acquire(False)+release"]
-    r_raw = mic["RWLockFair read: gen+acquire(False)+release"]
-    w_ours = mic["our RWLock.write() guard"]
-    r_ours = mic["our RWLock.read() guard"]
-    writes, reads = acquisitions_per_lifecycle()
-    lib = writes * w_raw + reads * r_raw
-    wrap = writes * (w_ours - w_raw) + reads * (r_ours - r_raw)
+    writes, reads = acquisitions_per_lifecycle(kind="mutex")
     out.append(
-        f"composed per lifecycle ({writes:g} writes + {reads:g} reads, counted by the lock): "
-        f"readerwriterlock internals ~{lib:,.0f} ns, our wrapper (_Guard, _acquire/_release, "
-        f"counters) ~{wrap:,.0f} ns, sum ~{lib + wrap:,.0f} ns vs ablation lock layer "
-        f"{layers['lock layer (rw - no lock)']:,.0f} ns"
+        f"the default lifecycle takes its lock {writes:g} times for write and {reads:g} for "
+        f"read (counted by the lock); the reference takes its lock {3 + 2 * CHUNKS} times"
     )
 
     out.append("")
-    out.append(f"3. cProfile, shipped rw, {n} lifecycles (own time; cProfile inflates small calls)")
+    out.append(
+        f"3. cProfile, the default (mutex), {n} lifecycles (own time; cProfile inflates "
+        "small calls)"
+    )
     prof = profile(n)
     out.append(
         format_table(
@@ -484,21 +612,61 @@ def report(quick: bool) -> str:
         )
     )
     out.append("")
-    out.append(f"4. what-if, ns per lifecycle (single thread, {n} lifecycles x {rounds} rounds)")
+    out.append(f"4. what-if for rw, ns per lifecycle (single thread, {n} x {rounds} rounds)")
     wif = what_if(n, rounds)
     if not wif:
         out.append(
             "skipped: staging.locks.RWLock internals changed; update bench.lifecycle_profile"
         )
-        return "\n".join(out)
-    base = wif["rw (shipped)"]
-    ref = wif["lock-ref"]
+    else:
+        base = wif["rw (shipped)"]
+        ref = wif["lock-ref"]
+        out.append(
+            format_table(
+                ["variant", "ns/lifecycle", "vs rw shipped", "vs lock-ref"],
+                [
+                    {
+                        "variant": k,
+                        "ns/lifecycle": v,
+                        "vs rw shipped": v / base,
+                        "vs lock-ref": v / ref,
+                    }
+                    for k, v in wif.items()
+                ],
+            )
+        )
+    out.append("")
+    t_rounds = 6 if quick else 20
+    out.append(
+        f"5. threads: the default lifecycle, 2400 lifecycles per round, {t_rounds} rounds, "
+        "contended waiters handing the GIL over first (yields > 0, shipped) or blocking at "
+        f"once (yields 0); a convoy round has > {CONVOY_CONTENDED} contended acquisitions"
+    )
+    rows = threads_view((2, 4) if quick else (2, 4, 8), 2400, t_rounds)
     out.append(
         format_table(
-            ["variant", "ns/lifecycle", "vs rw shipped", "vs lock-ref"],
             [
-                {"variant": k, "ns/lifecycle": v, "vs rw shipped": v / base, "vs lock-ref": v / ref}
-                for k, v in wif.items()
+                "threads",
+                "yields",
+                "/ref (median)",
+                "contended median",
+                "contended max",
+                "convoy rounds",
+                "vol. switches median",
+                "ref switches median",
+            ],
+            [
+                {
+                    "threads": r.threads,
+                    "yields": r.yields,
+                    "/ref (median)": r.ratio,
+                    "contended median": r.contended_median,
+                    "contended max": r.contended_max,
+                    "convoy rounds": f"{r.convoy_rounds}/{r.rounds}",
+                    "vol. switches median": r.switches_median,
+                    "ref switches median": r.reference_switches_median,
+                }
+                for r in rows
             ],
         )
     )

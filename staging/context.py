@@ -15,8 +15,8 @@ the room. That is what keeps a late transfer worker from resurrecting a purged r
 The default lock is ``"mutex"``, the same as ``KVManager``'s: the rule is "under the GIL,
 take the mutex". Point reads take no lock at all, so what ``"rw"`` would let run side by
 side is only the snapshots, and its pure-Python acquisition costs about ten times a
-``threading.Lock``'s (``python -m bench lifecycle``: a room's lifecycle was 1.6-1.9x slower
-with ``"rw"``, at 1 to 8 threads). ``"rw"`` stays available for workloads that hold read
+``threading.Lock``'s (``python -m bench lifecycle``: a room's lifecycle is 2.3-2.9x slower
+with ``"rw"`` at 1 thread, more at 2 to 8). ``"rw"`` stays available for workloads that hold read
 snapshots of many rooms while other threads write.
 
 The thread-safety contract of every method is in ``docs/THREADING.md``; each docstring
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, cast
+from dataclasses import dataclass
+from threading import get_ident as _get_ident
+from typing import cast
 
 from staging.errors import RoomAlreadyOpenError, RoomNotOpenError, RoomPurgedError
 from staging.locks import LockLevel, LockStats, MutexLock, RWLock, make_lock
@@ -69,15 +70,20 @@ class RoomHandle:
         object.__setattr__(self, "generation", check_index(self.generation, "generation"))
 
 
-def _checked_handle(
-    room: int, generation: int, _new: Any = object.__new__, _set: Any = object.__setattr__
-) -> RoomHandle:
-    """A :class:`RoomHandle` of values the caller already checked (exact ints >= 0): skips
-    ``__post_init__``'s checks (1.9 vs 0.6 us; ``open_room`` makes one per room)."""
-    handle = _new(RoomHandle)
-    _set(handle, "room", room)
-    _set(handle, "generation", generation)
-    return cast(RoomHandle, handle)
+def _layout_twin(cls: type) -> type:
+    """A plain class with the same ``__slots__`` as the frozen slotted dataclass ``cls``.
+
+    An instance of it is filled with ordinary slot stores and then becomes a ``cls`` by
+    ``__class__`` assignment (CPython allows it between classes of the same slots layout,
+    and raises ``TypeError`` otherwise). That skips the frozen ``__setattr__``, which goes
+    through ``object.__setattr__`` once per field: measured with callgrind, a ``RoomHandle``
+    costs ~1,700 instructions this way, ~3,100 with ``object.__setattr__`` and ~8,900
+    through its checked ``__init__``. Only for values already checked (exact types).
+    """
+    return type(f"_{cls.__name__}Twin", (), {"__slots__": cls.__dict__["__slots__"]})
+
+
+_HandleTwin = _layout_twin(RoomHandle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,9 @@ class RoomPurge:
     was_prefetched: bool
     requests: frozenset[RoomKey]
     generation: int | None = None
+
+
+_PurgeTwin = _layout_twin(RoomPurge)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,13 +123,24 @@ class StagingStats:
     lock: LockStats
 
 
-@dataclass(slots=True)
 class _Room:
-    """Mutable state of one open room. Guarded by the owning context's lock."""
+    """Mutable state of one open room. Guarded by the owning context's lock.
 
-    generation: int
-    prefetched: bool = False
-    requests: set[RoomKey] = field(default_factory=set)
+    ``sessions``: the sessions whose entry of the context's session index
+    (``_session_rooms``) holds this room -- every session of ``requests``, and possibly some
+    whose keys were removed since (see ``StagingContext.__init__``). The writers skip the
+    index when the session is already here. (A subclass that empties the whole index at
+    once, as ``staging.compat`` does when it clears every key, leaves stale names here; it
+    re-indexes through ``_add_session_ref``, which never skips.)
+    """
+
+    __slots__ = ("generation", "prefetched", "requests", "sessions")
+
+    def __init__(self, generation: int = 0) -> None:
+        self.generation = generation  # open_room sets it under the lock, at publication
+        self.prefetched = False
+        self.requests: set[RoomKey] = set()
+        self.sessions: set[str] = set()
 
 
 RoomRef = int | RoomHandle
@@ -132,7 +152,7 @@ class StagingContext:
     Args:
         lock: ``"mutex"`` (default; ``threading.Lock`` for both modes) or ``"rw"``
             (``readerwriterlock.RWLockFair``; readers share). Rule: under the GIL take the
-            mutex, as ``KVManager`` does; it was 1.6-1.9x faster for a room's lifecycle
+            mutex, as ``KVManager`` does; it is 2.3-2.9x faster for a room's lifecycle
             (``python -m bench lifecycle``) because the hot reads are lock-free anyway.
         lock_timeout: seconds to wait for the lock before raising
             :class:`~staging.errors.LockTimeoutError`; ``None`` or ``float("inf")`` waits
@@ -150,6 +170,12 @@ class StagingContext:
         TypeError: ``lock_timeout`` not ``None`` or a real number (``bool``, ``str``);
             ``debug`` not ``None`` or a ``bool``; ``strict`` not a ``bool``.
     """
+
+    # The hot methods inline three things a helper call would cost more than (a Python call
+    # is ~0.1 us here; a room's lifecycle made ~160 of them, ~30 now, the threading.Lock
+    # reference of bench.lifecycle 19): the exact-type fast path of each argument check
+    # (anything else goes to staging.validate, which raises), the unpacking of a RoomHandle,
+    # and the lookup of the open room (_live_quiet's body).
 
     def __init__(
         self,
@@ -169,11 +195,19 @@ class StagingContext:
         self._strict = strict
         # --- Everything below is guarded by _lock: read under read(), mutate under write(). ---
         # Open rooms by id. A room id is in _rooms iff it is open; its _Room.requests holds
-        # its prefetch keys. Invariant: _session_rooms[s][room] == number of keys of `room`
-        # whose session is `s`, and no zero counts are stored (the reverse index that makes
-        # purge_session O(keys of that session)).
+        # its prefetch keys. _session_rooms is the reverse index that lets purge_session skip
+        # rooms without a key of that session. It is kept per (room, session), not per key,
+        # so a request pays one set-membership test (`session in state.sessions`) and the
+        # index is touched once per room and session:
+        #   complete: every open room with a key of session s is in _session_rooms[s], and
+        #             s is in its _Room.sessions;
+        #   sound:    a room in _session_rooms[s] is open, has s in its _Room.sessions, and
+        #             has at least one key (of some session); no empty set is stored.
+        # It may hold a room whose keys of s are gone (cancel_prefetch, or the compat
+        # layer's discard, leave it while other keys remain): purge_session(s) skips those.
+        # A room leaves every entry when it is purged or its last key goes (_unindex).
         self._rooms: dict[int, _Room] = {}
-        self._session_rooms: dict[str, dict[int, int]] = {}
+        self._session_rooms: dict[str, set[int]] = {}
         self._requested_keys = 0
         self._prefetched_count = 0
         self._rooms_opened = 0
@@ -207,14 +241,24 @@ class StagingContext:
             RoomAlreadyOpenError: ``room`` is open (purge it first).
             TypeError, ValueError: ``room`` is not an ``int`` >= 0 (``bool`` is refused).
         """
-        room = check_room_id(room)
-        with self._lock.write():
+        if type(room) is not int or room < 0:
+            room = check_room_id(room)
+        state = _Room()  # built before the lock; published in _rooms under it
+        lock = self._lock
+        lock.acquire_write()
+        try:
             if room in self._rooms:
                 raise RoomAlreadyOpenError(room)
-            generation = next_generation()
-            self._rooms[room] = _Room(generation)
+            state.generation = generation = next(_GENERATIONS)
+            self._rooms[room] = state
             self._rooms_opened += 1
-        return _checked_handle(room, generation)  # both checked: room above, gen by counter
+        finally:
+            lock.release_write()
+        handle = _HandleTwin()  # checked values: room above, generation from the counter
+        handle.room = room
+        handle.generation = generation
+        handle.__class__ = RoomHandle
+        return cast(RoomHandle, handle)
 
     def purge_room(self, room: RoomRef) -> RoomPurge:
         """Remove ``room`` from both collections and close it, in ONE critical section.
@@ -233,32 +277,54 @@ class StagingContext:
         """
         room_id, generation = self._ref(room)
         with self._lock.write_untimed():
-            return self._purge_locked(room_id, generation)
+            state = self._close_locked(room_id, generation)
+        if state is None:
+            return RoomPurge(room_id, False, False, frozenset())
+        # Built after the lock is released (a purged _Room is never mutated again), by slot
+        # stores (see _layout_twin): five frozen-dataclass field stores cost more than the
+        # purge itself.
+        purge = _PurgeTwin()
+        purge.room = room_id
+        purge.was_open = True
+        purge.was_prefetched = state.prefetched
+        purge.requests = frozenset(state.requests)
+        purge.generation = state.generation
+        purge.__class__ = RoomPurge
+        return cast(RoomPurge, purge)
 
     def purge_session(self, session_id: str) -> frozenset[int]:
         """A decode peer died: drop its keys from every room; return the rooms that had any.
 
-        The rooms stay open (the sender fails them). Cost is O(keys of the rooms that have
-        keys of that session): the reverse index finds those rooms, and each of their keys is
-        looked at once (a room has as many sessions as decode TP ranks, so this is close to
-        O(keys of that session)). Thread-safe; write lock; atomic; like
-        :meth:`purge_room` it never times out (ignores ``lock_timeout``).
+        The rooms stay open (the sender fails them). Cost is O(rooms that got a key of that
+        session since they were opened, or since its last ``purge_session`` + all keys of
+        those rooms): the reverse index finds those rooms, each of their keys is looked at
+        once, and rooms that never had a key of it are not touched (a room has as many
+        sessions as decode TP ranks, so this is close to O(keys of that session)).
+        Thread-safe; write lock; atomic; like :meth:`purge_room` it never times out (ignores
+        ``lock_timeout``).
 
         Raises:
             TypeError, ValueError: ``session_id`` is not a non-empty ``str``.
         """
         session_id = check_session_id(session_id)
+        touched: list[int] = []
         with self._lock.write_untimed():
             by_room = self._session_rooms.pop(session_id, None)
             if not by_room:
                 return frozenset()
             for room_id in by_room:
                 state = self._rooms[room_id]
+                state.sessions.discard(session_id)
                 doomed = [key for key in state.requests if key[1] == session_id]
-                state.requests.difference_update(doomed)
-                self._requested_keys -= len(doomed)
-            self._session_purges += 1
-            return frozenset(by_room)
+                if doomed:
+                    state.requests.difference_update(doomed)
+                    self._requested_keys -= len(doomed)
+                    touched.append(room_id)
+                    if not state.requests:
+                        self._unindex(state, room_id)
+            if touched:
+                self._session_purges += 1
+        return frozenset(touched)
 
     # ------------------------------------------------------------------ writers
 
@@ -274,18 +340,47 @@ class StagingContext:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
             RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
-        room_id, generation = self._ref(room)
-        chunk_idx = check_chunk_idx(chunk_idx)
-        session_id = check_session_id(session_id)
+        generation: int | None
+        if type(room) is RoomHandle:
+            room_id, generation = room.room, room.generation
+        else:
+            room_id, generation = self._ref(room)
+        if type(chunk_idx) is not int or chunk_idx < 0:
+            chunk_idx = check_chunk_idx(chunk_idx)
+        if type(session_id) is not str or not session_id:
+            session_id = check_session_id(session_id)
         key = (chunk_idx, session_id)
-        with self._lock.write():
-            state = self._live(room_id, generation)
-            if state is None or key in state.requests:
+        # The one writer made several times per room (once per chunk and session) takes a
+        # non-debug mutex inline: the steps of MutexLock.acquire_write/release_write, written
+        # out (two Python calls less: ~900 of a request's ~7,000 instructions).
+        lock = self._lock
+        mutex = lock.inline_mutex  # None for an RWLock and in debug mode
+        if mutex is None:
+            lock.acquire_write()  # rw or debug mode: the lock's own path
+        elif mutex.acquire(False):
+            lock._owner = _get_ident()
+            lock._writes += 1
+        else:
+            lock._acquire_contended(mutex, "write", untimed=False)
+        try:
+            state = self._rooms.get(room_id)
+            if state is None or (generation is not None and state.generation != generation):
+                self._refuse(room_id, generation)
                 return False
-            state.requests.add(key)
-            self._add_session_ref(session_id, room_id)
+            requests = state.requests
+            if key in requests:
+                return False
+            requests.add(key)
             self._requested_keys += 1
+            if session_id not in state.sessions:
+                self._index_session(state, session_id, room_id)
             return True
+        finally:
+            if mutex is not None:
+                lock._owner = None
+                mutex.release()
+            else:
+                lock.release_write()
 
     def request_prefetches(
         self, room: RoomRef, chunk_idxs: Iterable[int], session_id: str
@@ -300,22 +395,35 @@ class StagingContext:
                 (checked before any state changes).
             RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
-        room_id, generation = self._ref(room)
-        chunks = tuple(check_chunk_idx(chunk_idx) for chunk_idx in chunk_idxs)
-        session_id = check_session_id(session_id)
-        added: list[int] = []
-        with self._lock.write():
+        generation: int | None
+        if type(room) is RoomHandle:
+            room_id, generation = room.room, room.generation
+        else:
+            room_id, generation = self._ref(room)
+        chunks: Iterable[int]
+        if type(chunk_idxs) is range and chunk_idxs.start >= 0 and chunk_idxs.step > 0:
+            chunks = chunk_idxs  # every member an exact int >= 0 (the common call)
+        else:
+            chunks = tuple(check_chunk_idx(chunk_idx) for chunk_idx in chunk_idxs)
+        if type(session_id) is not str or not session_id:
+            session_id = check_session_id(session_id)
+        lock = self._lock
+        lock.acquire_write()
+        try:
             state = self._live(room_id, generation)
             if state is None:
                 return frozenset()
             requests = state.requests
             fresh = {(c, session_id) for c in chunks} - requests
-            if fresh:
-                requests.update(fresh)  # one atomic call: lock-free readers see all or none
-                added.extend(c for c, _ in fresh)
-                self._add_session_ref(session_id, room_id, len(added))
-                self._requested_keys += len(added)
-        return frozenset(added)
+            if not fresh:
+                return frozenset()
+            requests.update(fresh)  # one atomic call: lock-free readers see all or none
+            self._requested_keys += len(fresh)
+            if session_id not in state.sessions:
+                self._index_session(state, session_id, room_id)
+        finally:
+            lock.release_write()
+        return frozenset(c for c, _ in fresh)
 
     def cancel_prefetch(self, room: RoomRef, chunk_idx: int, session_id: str) -> bool:
         """Remove one key (e.g. the request could not be sent). ``True`` if it was there.
@@ -336,8 +444,9 @@ class StagingContext:
             if state is None or key not in state.requests:
                 return False
             state.requests.remove(key)
-            self._drop_session_ref(session_id, room_id)
             self._requested_keys -= 1
+            if not state.requests:  # else the session index may keep the room (__init__)
+                self._unindex(state, room_id)
             return True
 
     def mark_prefetched(self, room: RoomRef) -> bool:
@@ -350,14 +459,25 @@ class StagingContext:
             TypeError, ValueError: bad ``room``.
             RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
-        room_id, generation = self._ref(room)
-        with self._lock.write():
-            state = self._live(room_id, generation)
-            if state is None or state.prefetched:
+        generation: int | None
+        if type(room) is RoomHandle:
+            room_id, generation = room.room, room.generation
+        else:
+            room_id, generation = self._ref(room)
+        lock = self._lock
+        lock.acquire_write()
+        try:
+            state = self._rooms.get(room_id)
+            if state is None or (generation is not None and state.generation != generation):
+                self._refuse(room_id, generation)
+                return False
+            if state.prefetched:
                 return False
             state.prefetched = True
             self._prefetched_count += 1
             return True
+        finally:
+            lock.release_write()
 
     # ------------------------------------------------------------------ readers
 
@@ -403,9 +523,15 @@ class StagingContext:
         Raises:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
         """
-        room_id, generation = self._ref(room)
-        chunk_idx = check_chunk_idx(chunk_idx)
-        session_id = check_session_id(session_id)
+        generation: int | None
+        if type(room) is RoomHandle:
+            room_id, generation = room.room, room.generation
+        else:
+            room_id, generation = self._ref(room)
+        if type(chunk_idx) is not int or chunk_idx < 0:
+            chunk_idx = check_chunk_idx(chunk_idx)
+        if type(session_id) is not str or not session_id:
+            session_id = check_session_id(session_id)
         state = self._rooms.get(room_id)
         return (
             state is not None
@@ -538,35 +664,71 @@ class StagingContext:
             detail or " (that opening was purged, or the handle is of another context)",
         )
 
-    def _purge_locked(self, room_id: int, generation: int | None) -> RoomPurge:
-        """The body of :meth:`purge_room`. Caller holds the write lock."""
+    def _close_locked(self, room_id: int, generation: int | None) -> _Room | None:
+        """Close the opening of ``room_id`` that ``generation`` names (``None``: whichever is
+        open): drop it from ``_rooms``, the session index and the counters. Return its state,
+        frozen from now on, or ``None`` if that opening is not open. Caller holds the write
+        lock."""
         state = self._rooms.get(room_id)
         if state is None or (generation is not None and state.generation != generation):
-            return RoomPurge(room_id, False, False, frozenset())
+            return None
+        if state.sessions:
+            self._unindex(state, room_id)  # while it is open: a purged _Room never changes
         del self._rooms[room_id]
-        for _, session in state.requests:
-            self._drop_session_ref(session, room_id)
         self._requested_keys -= len(state.requests)
         if state.prefetched:
             self._prefetched_count -= 1
         self._purges += 1
+        return state
+
+    def _purge_locked(self, room_id: int, generation: int | None) -> RoomPurge:
+        """:meth:`_close_locked` with the :class:`RoomPurge` it makes (the purge of a
+        subclass that adds to the same critical section). Caller holds the write lock."""
+        state = self._close_locked(room_id, generation)
+        if state is None:
+            return RoomPurge(room_id, False, False, frozenset())
         return RoomPurge(
             room_id, True, state.prefetched, frozenset(state.requests), state.generation
         )
 
+    def _index_session(self, state: _Room, session_id: str, room_id: int) -> None:
+        """Enter the open room in the session index for ``session_id`` (idempotent). Caller
+        holds the write lock."""
+        state.sessions.add(session_id)
+        rooms = self._session_rooms.get(session_id)
+        if rooms is None:
+            self._session_rooms[session_id] = {room_id}
+        else:
+            rooms.add(room_id)
+
+    def _unindex(self, state: _Room, room_id: int) -> None:
+        """Take the room out of every session index entry (it is closing, or lost its last
+        key). Caller holds the write lock."""
+        index = self._session_rooms
+        for session in state.sessions:
+            rooms = index.get(session)  # absent only after a subclass cleared the index
+            if rooms is not None:
+                rooms.discard(room_id)
+                if not rooms:
+                    del index[session]
+        state.sessions = set()
+
+    # The per-key entry points of the session index, for subclasses that add or remove one
+    # key themselves (staging.compat): the key is already added to / removed from
+    # state.requests, under the write lock.
+
     def _add_session_ref(self, session_id: str, room_id: int, keys: int = 1) -> None:
-        by_room = self._session_rooms.setdefault(session_id, {})
-        by_room[room_id] = by_room.get(room_id, 0) + keys
+        """A key of ``session_id`` was added to the open room ``room_id``. Caller holds the
+        write lock."""
+        self._index_session(self._rooms[room_id], session_id, room_id)
 
     def _drop_session_ref(self, session_id: str, room_id: int) -> None:
-        by_room = self._session_rooms[session_id]
-        left = by_room[room_id] - 1
-        if left:
-            by_room[room_id] = left
-        else:
-            del by_room[room_id]
-            if not by_room:
-                del self._session_rooms[session_id]
+        """A key of ``session_id`` was removed from the open room ``room_id``; if it was the
+        room's last key, the room leaves the index (so that a subclass may then drop it from
+        ``_rooms`` directly). Caller holds the write lock."""
+        state = self._rooms[room_id]
+        if not state.requests:
+            self._unindex(state, room_id)
 
     def _requested_unlocked(self) -> frozenset[PrefetchKey]:
         return frozenset(

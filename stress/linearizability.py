@@ -17,16 +17,26 @@ only reads and writes ``r``'s state, and ``purge_session`` is projected onto eac
 ``r`` in the returned set, and drop the session's keys from ``r``"). A linearizable history
 has linearizable projections, so a projection that fails proves the whole history is not
 linearizable; the projections keep the searches tiny.
+
+Per-room projections cannot see whether ``purge_session`` is atomic across rooms: each room's
+keys go at once either way. :func:`check_session_views` checks the other cut: the keys ONE
+session has in every room, as a multi-key reader sees them (``snapshot()``,
+``prefetch_requested``: a ``view`` operation whose result is the whole key set at once), with
+that session's ``requests`` and ``purge_session`` (:class:`SessionKeysModel`). A view that
+saw the session half-removed, or half-added, has no linearization point.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from staging import RoomHandle, RoomPurge
+from staging.context import PrefetchKey
 
 S = TypeVar("S", bound=Hashable)
 T = TypeVar("T")
@@ -115,31 +125,61 @@ def check(
     n = len(ops)
     full = (1 << n) - 1
     seen: set[tuple[int, S]] = set()
-    order: list[int] = []
 
-    def search(done: int, state: S) -> bool:
-        if done == full:
-            return True
+    def moves(done: int, state: S) -> list[tuple[int, S]] | None:
+        """The minimal pending ops the model accepts next, with the states they lead to;
+        ``None`` if ``(done, state)`` was searched before."""
         if (done, state) in seen:
-            return False
+            return None
         seen.add((done, state))
         if len(seen) > max_states:
             raise SearchBudgetExceeded(f"more than {max_states} states for {n} operations")
-        pending = [i for i in range(n) if not done >> i & 1]
-        earliest_response = min(ops[i].response for i in pending)
-        for i in pending:
+        # The minimal pending ops: those invoked before every pending op has responded.
+        # Scan from the lowest pending index; ops are sorted by invoke, so once one is
+        # invoked after the earliest response seen so far, no later op can be minimal or
+        # respond earlier (response >= invoke): the scan stops there. O(width), not O(n).
+        i = (~done & (done + 1)).bit_length() - 1
+        earliest_response = ops[i].response
+        minimal: list[int] = []
+        while i < n and ops[i].invoke <= earliest_response:
+            if not done >> i & 1:
+                minimal.append(i)
+                earliest_response = min(earliest_response, ops[i].response)
+            i += 1
+        found: list[tuple[int, S]] = []
+        for i in minimal:
             if ops[i].invoke > earliest_response:
-                break  # ops are sorted by invoke: every later one is preceded by some pending op
+                break
             nxt = model.step(state, ops[i])
-            if nxt is None:
-                continue
-            order.append(i)
-            if search(done | 1 << i, nxt):
-                return True
-            order.pop()
-        return False
+            if nxt is not None:
+                found.append((i, nxt))
+        return found
 
-    ok = search(0, model.initial())
+    # Depth-first, with an explicit stack (a history may hold thousands of operations, more
+    # than Python's recursion limit): each frame is (done, its untried moves); ``order``
+    # holds the op that led to each frame but the first.
+    ok = n == 0
+    order: list[int] = []
+    first = moves(0, model.initial()) if n else None
+    stack: list[tuple[int, Iterator[tuple[int, S]]]] = [(0, iter(first or ()))]
+    while stack and not ok:
+        done, untried = stack[-1]
+        move = next(untried, None)
+        if move is None:
+            stack.pop()
+            if order:
+                order.pop()
+            continue
+        i, state = move
+        now = done | 1 << i
+        if now == full:
+            order.append(i)
+            ok = True
+            break
+        later = moves(now, state)
+        if later is not None:
+            order.append(i)
+            stack.append((now, iter(later)))
     witness = tuple(ops[i] for i in order) if ok else None
     return CheckResult(ok, key, ops, witness, len(seen))
 
@@ -343,3 +383,140 @@ def first_violation(history: Sequence[Op]) -> CheckResult[RoomState] | None:
         if not result.ok:
             return result
     return None
+
+
+# ---------------------------------------------------------------------------- whole-session views
+
+SESSION_VIEW_OPS = ("requests", "purge_session", "view")
+"""Operation names of a session-view history: ``requests(ref, chunks, session)`` (one room's
+batch; its rooms stay open throughout), ``purge_session(session)``, and ``view(source)``,
+whose result is every key ``(room, chunk, session)`` one locked read returned (all sessions:
+:func:`check_session_views` projects it)."""
+
+
+class SessionKeysModel:
+    """Sequential specification of the set of keys ``(room, chunk, session)`` that ONE
+    session has across every room, under ``requests``, ``purge_session`` and ``view``.
+
+    The rooms a history's ``requests`` name must stay open for the whole history (no
+    ``purge_room`` in it): then this set is all that these operations read or write of the
+    session, and every locked multi-key read must return it exactly, as of one instant.
+    """
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+
+    def initial(self) -> frozenset[PrefetchKey]:
+        """No key of the session anywhere."""
+        return frozenset()
+
+    def step(self, state: frozenset[PrefetchKey], op: Op) -> frozenset[PrefetchKey] | None:
+        """Apply ``op``; ``None`` if its recorded result is impossible in ``state``."""
+        session, result = self.session, op.result
+        if op.name == "view":
+            return state if result == state else None
+        if op.name == "purge_session":
+            rooms = frozenset(room for room, _, _ in state)
+            return frozenset() if result == rooms else None
+        if op.name == "requests":
+            room = room_of(op)
+            chunks = op.args[1]
+            if room is None or not isinstance(chunks, tuple):
+                raise ValueError(f"bad args {op}")
+            added = frozenset(c for c in chunks if (room, c, session) not in state)
+            if result != added:
+                return None
+            return state | {(room, c, session) for c in added}
+        raise ValueError(f"not a session-view operation: {op}")
+
+
+def session_of(op: Op) -> str | None:
+    """The session a session-view operation writes; ``None`` for a ``view`` (all of them)."""
+    if op.name == "view":
+        return None
+    session = op.args[-1] if op.name == "requests" else op.args[0]
+    if not isinstance(session, str):
+        raise ValueError(f"operation without a session: {op}")
+    return session
+
+
+def check_session_views(
+    history: Sequence[Op], session: str, *, max_states: int = 1_000_000
+) -> CheckResult[frozenset[PrefetchKey]]:
+    """Is the history of ``session``'s writes, with every ``view`` projected onto that
+    session's keys, linearizable (:class:`SessionKeysModel`)?
+
+    Every op whose session is another one is left out. When the session's writes do not
+    overlap in time (one writer, as in the tests), the answer comes from
+    :func:`check_one_writer` (exact for that shape, and linear-time: histories hold
+    thousands of views); otherwise from the general search.
+
+    Raises:
+        SearchBudgetExceeded: as :func:`check` (general search only).
+    """
+    writes: list[Op] = []
+    views: list[Op] = []
+    for op in history:
+        if op.name == "view":
+            keys = op.result
+            if not isinstance(keys, frozenset):
+                raise ValueError(f"a view must return a frozenset: {op}")
+            mine = frozenset(k for k in keys if k[2] == session)
+            views.append(Op(op.thread, op.invoke, op.response, op.name, op.args, mine))
+        elif session_of(op) == session:
+            writes.append(op)
+    model = SessionKeysModel(session)
+    writes.sort(key=lambda o: o.invoke)
+    if all(a.response < b.invoke for a, b in itertools.pairwise(writes)):
+        return check_one_writer(writes, views, model, key=session)
+    return check([*writes, *views], model, key=session, max_states=max_states)
+
+
+def check_one_writer(
+    writes: Sequence[Op], reads: Sequence[Op], model: Model[S], *, key: Hashable = None
+) -> CheckResult[S]:
+    """:func:`check` for histories of one shape: ``writes`` that do not overlap in time
+    (one thread's, in order) and ``reads`` that never change the model's state.
+
+    The writes' order is then fixed, so their states ``S_0..S_n`` are too (``S_j`` after the
+    first ``j``), and a read can take effect at ``S_j`` only for ``j`` from the number of
+    writes that returned before it was invoked to the number not invoked after it returned
+    (``a`` precedes ``b`` iff ``a.response < b.invoke``, as in :func:`check`). A
+    read that precedes another must take effect at the same or an earlier ``j``. Reads taken
+    by their responses, each at the earliest ``j`` that its result and the reads before it
+    allow, satisfy every constraint if any assignment does (each constraint is a lower
+    bound). O((n + reads) log n), plus each read's scan over the states it may take effect at.
+    """
+    ops = tuple(sorted([*writes, *reads], key=lambda o: (o.invoke, o.response)))
+    ordered = sorted(writes, key=lambda o: o.invoke)
+    states = [model.initial()]
+    for w in ordered:
+        nxt = model.step(states[-1], w)
+        if nxt is None:
+            return CheckResult(False, key, ops, None, len(states))
+        states.append(nxt)
+    invokes = [w.invoke for w in ordered]
+    responses = [w.response for w in ordered]
+    placed: list[tuple[int, Op]] = []  # (j, read), by the reads' responses
+    done_at: list[int] = []  # the responses of the reads placed so far
+    highest: list[int] = []  # highest[k] = max j of the first k + 1 reads placed
+    for read in sorted(reads, key=lambda o: o.response):
+        low = bisect.bisect_left(responses, read.invoke)  # writes that returned before it
+        high = bisect.bisect_right(invokes, read.response)  # writes not invoked after it
+        before = bisect.bisect_left(done_at, read.invoke)  # reads that returned before it
+        if before:
+            low = max(low, highest[before - 1])
+        j = next((j for j in range(low, high + 1) if model.step(states[j], read) is not None), None)
+        if j is None:
+            return CheckResult(False, key, ops, None, len(states) + len(placed))
+        placed.append((j, read))
+        done_at.append(read.response)
+        highest.append(max(j, highest[-1]) if highest else j)
+    by_state: list[list[Op]] = [[] for _ in states]
+    for j, read in placed:
+        by_state[j].append(read)
+    witness: list[Op] = [*by_state[0]]
+    for j, w in enumerate(ordered, start=1):
+        witness.append(w)
+        witness.extend(by_state[j])
+    return CheckResult(True, key, ops, tuple(witness), len(states) + len(placed))

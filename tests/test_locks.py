@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import random
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -13,10 +17,18 @@ from staging import (
     LockOrderError,
     LockReentryError,
     LockTimeoutError,
+    RoomAlreadyOpenError,
     StagingContext,
     make_lock,
 )
-from staging.locks import DEBUG_ENV, LOCK_KINDS, held_locks
+from staging.locks import (
+    DEBUG_ENV,
+    LOCK_KINDS,
+    LockMode,
+    MutexLock,
+    _FastMutexGuard,
+    held_locks,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -239,3 +251,216 @@ def test_contract_suite_runs_on_the_fast_mutex_guard(monkeypatch: pytest.MonkeyP
     assert (st.write_acquisitions, st.read_acquisitions, st.contended) == (1, 1, 0)
     with pytest.raises(LockNotHeldError):
         fast.assert_held("write")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_acquire_write_pair_behaves_like_the_write_guard(kind: str, debug: bool) -> None:
+    lock = make_lock(kind, "t", 1, debug=debug)
+    for acquire in (lock.acquire_write, lock.acquire_write_untimed):
+        acquire()
+        try:
+            lock.assert_held("write")
+            if debug:
+                with pytest.raises(LockReentryError):
+                    lock.acquire_write()
+        finally:
+            lock.release_write()
+        with pytest.raises(LockNotHeldError):
+            lock.assert_held("write")
+    assert lock.stats().write_acquisitions == 2
+    if kind == "rw" or debug:  # the checked paths refuse a release that holds nothing
+        with pytest.raises((LockNotHeldError, RuntimeError)):
+            lock.release_write()
+    with lock.write():  # still usable
+        pass
+
+
+def test_acquire_write_times_out_like_the_guard(kind: str) -> None:
+    lock = make_lock(kind, "slow", 1, timeout=0.05)
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            lock.acquire_write()
+        except LockTimeoutError as exc:
+            errors.append(exc)
+        else:  # pragma: no cover - the holder never lets go in time
+            lock.release_write()
+
+    with lock.write():
+        t = threading.Thread(target=waiter, daemon=True)
+        t.start()
+        _join(t)
+    assert len(errors) == 1 and lock.stats().timeouts == 1
+
+
+# ---------------------------------------------------------------- ownership under contention
+#
+# The contract (docs/THREADING.md, "The lock model"): ``assert_held(mode)`` raises
+# LockNotHeldError "unless the calling thread holds this lock in mode"; outside debug mode a
+# MutexLock's inline guard "writes the owner and its counter, as the full path does". So,
+# whatever path took the lock (the inline guard, acquire_write/release_write, the contended
+# path, a StagingContext writer that takes it inline): while a thread holds it -- also while
+# others wait for it -- that thread's assert_held passes, and a thread that does not hold it
+# never passes. The check below takes the lock through every path from several threads, the
+# holders wait inside until a contender is counted and check ownership before and after; every
+# thread checks it is not taken for the owner right after each release.
+
+OWNERSHIP_THREADS = 4
+OWNERSHIP_ITERATIONS = 300  # per thread; a run is bounded by JOIN_S anyway
+HOLD_YIELDS = 20  # a holder yields the GIL at most this often waiting for a contender
+HOLDER_PATHS = ("write", "read", "write_untimed", "acquire_write", "acquire_write_untimed")
+CONTEXT_PATHS = ("request_prefetch", "cancel_prefetch", "mark_prefetched", "open_purge")
+
+
+def _ownership_seed() -> int:
+    seed = int(os.environ.get("LOCK_OWNERSHIP_SEED", random.randrange(2**32)))
+    print(f"LOCK_OWNERSHIP_SEED={seed}")
+    return seed
+
+
+@contextlib.contextmanager
+def _hold(lock: MutexLock, path: str) -> Iterator[None]:
+    """Hold ``lock`` through one of its acquisition paths."""
+    if path == "acquire_write":
+        lock.acquire_write()
+    elif path == "acquire_write_untimed":
+        lock.acquire_write_untimed()
+    else:
+        guard = {"write": lock.write, "read": lock.read, "write_untimed": lock.write_untimed}
+        with guard[path]():
+            yield
+        return
+    try:
+        yield
+    finally:
+        lock.release_write()
+
+
+def ownership_violations(
+    lock: MutexLock, seed: int, ctx: StagingContext | None = None
+) -> tuple[list[str], int]:
+    """Run the ownership check on ``lock`` (and through ``ctx``'s writers, if given, whose
+    lock it must be); return (violations, holds that saw a counted contender)."""
+    violations: list[str] = []
+    inside = [0]
+    waited = [0]
+    stop = threading.Event()
+    barrier = threading.Barrier(OWNERSHIP_THREADS, timeout=JOIN_S)
+    handle = None if ctx is None else ctx.open_room(0)
+    paths = HOLDER_PATHS + (CONTEXT_PATHS if ctx is not None else ())
+
+    def bad(what: str) -> None:
+        violations.append(f"{threading.current_thread().name}: {what}")
+        stop.set()
+
+    def holds(mode: LockMode) -> bool:
+        try:
+            lock.assert_held(mode)
+        except LockNotHeldError:
+            return False
+        return True
+
+    def hold(path: str) -> None:
+        with _hold(lock, path):
+            inside[0] += 1
+            if inside[0] != 1:
+                bad(f"{inside[0]} holders at once ({path})")
+            if not holds("write") or not holds("read"):
+                bad(f"the holder is not the owner on entry ({path})")
+            before = lock.stats().contended
+            for _ in range(HOLD_YIELDS):  # let the others run into the lock and wait
+                time.sleep(0)
+                if not holds("write"):
+                    bad(f"the holder lost ownership while another thread waited ({path})")
+                    break
+                if lock.stats().contended > before:
+                    waited[0] += 1
+                    break
+            inside[0] -= 1
+
+    def through_context(path: str, rng: random.Random) -> None:
+        assert ctx is not None and handle is not None
+        chunk = rng.randrange(4)
+        if path == "request_prefetch":
+            ctx.request_prefetch(handle, chunk, "d0")
+        elif path == "cancel_prefetch":
+            ctx.cancel_prefetch(handle, chunk, "d0")
+        elif path == "mark_prefetched":
+            ctx.mark_prefetched(handle)
+        else:
+            room = 1 + rng.randrange(3)
+            with contextlib.suppress(RoomAlreadyOpenError):
+                ctx.open_room(room)
+            ctx.purge_room(room)
+
+    def worker(index: int) -> None:
+        rng = random.Random(seed + index)
+        barrier.wait()
+        for _ in range(OWNERSHIP_ITERATIONS):
+            if stop.is_set():
+                return
+            path = rng.choice(paths)
+            if path in HOLDER_PATHS:
+                hold(path)
+            else:
+                through_context(path, rng)
+            if holds("write"):
+                bad(f"assert_held passes after this thread released ({path})")
+
+    threads = [
+        threading.Thread(target=worker, args=(i,), name=f"owner-{i}", daemon=True)
+        for i in range(OWNERSHIP_THREADS)
+    ]
+    for t in threads:
+        t.start()
+    _join(*threads)
+    return violations, waited[0]
+
+
+@pytest.mark.usefixtures("fast_switch")
+@pytest.mark.parametrize("through", ["lock", "context"])
+def test_owner_is_the_holder_under_contention(
+    through: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ownership check on the non-debug mutex (the library default), alone and as a
+    StagingContext's lock with its writers (request_prefetch takes it inline) in the mix."""
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    seed = _ownership_seed()
+    ctx = StagingContext(lock="mutex") if through == "context" else None
+    lock = ctx.lock if ctx is not None else make_lock("mutex", "t", 1)
+    assert isinstance(lock, MutexLock) and lock.inline_mutex is not None  # the inline paths
+    violations, waited = ownership_violations(lock, seed, ctx)
+    assert violations == []
+    assert waited > 0, "no holder ever saw a contender: the check proved nothing"
+    assert lock.stats().contended > 0
+
+
+class _OwnerClearedAfterRelease(_FastMutexGuard):
+    """PLANTED BUG: the inline guard lets the lock go before it clears the owner, so it can
+    clear the owner that the next holder has just written."""
+
+    __slots__ = ()
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.release()
+        self._lock._owner = None
+
+
+@pytest.mark.usefixtures("fast_switch")
+def test_ownership_check_catches_an_owner_cleared_after_release() -> None:
+    seed = _ownership_seed()
+    violations: list[str] = []
+    for attempt in range(8):  # measured: 17 of 20 single attempts catch it
+        lock = make_lock("mutex", "t", 1, debug=False)
+        assert isinstance(lock, MutexLock)
+        for name in ("_read_guard", "_write_guard", "_untimed_guard"):
+            guard = getattr(lock, name)
+            planted = _OwnerClearedAfterRelease(lock, guard._inner, guard._mode)
+            planted._untimed = guard._untimed
+            setattr(lock, name, planted)
+        violations, _ = ownership_violations(lock, seed + attempt)
+        if violations:
+            break
+    assert violations, "the planted owner race survived: the check is too weak"
+    assert any("lost ownership" in v or "not the owner" in v for v in violations), violations

@@ -18,6 +18,7 @@ import pytest
 
 from staging import RoomHandle, StagingContext
 from staging.locks import LOCK_KINDS
+from stress.framework import StressConfig, find_scenario, run_scenario
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("fast_switch")]
 
@@ -301,3 +302,21 @@ def test_upstream_set_comprehension_purge_fails_under_same_race() -> None:
     assert any(
         isinstance(e, RuntimeError) and "changed size during iteration" in str(e) for e in errors
     ), errors
+
+
+@pytest.mark.parametrize("lock", LOCK_KINDS)
+@pytest.mark.parametrize("seed_parity", [0, 1], ids=["debug-locks", "default-locks"])
+def test_staging_race_scenario_holds_with_each_lock_kind(lock: str, seed_parity: int) -> None:
+    """(e) The staging-race stress scenario, whatever the stress suite's default lock is:
+    with each kind, in lock debug mode (even seeds) and in the library's default mode (odd
+    seeds: the inline lock paths), every invariant holds."""
+    seed = seed_from_env() // 2 * 2 + seed_parity
+    scenario = find_scenario("staging-race")
+    assert scenario is not None
+    config = StressConfig(seed=seed, threads=3, duration=0.6, lock=lock, watchdog_s=10.0)
+    result = run_scenario(scenario, config, progress=False)
+    assert result.extra.get("lock_kind") == lock
+    assert result.extra.get("debug_locks") is (seed_parity == 0)
+    broken = {inv.name: inv.violations for inv in result.invariants if inv.violations}
+    assert broken == {}, result.to_json()
+    assert result.ops > 0

@@ -82,7 +82,7 @@ MUTANTS: tuple[Mutant, ...] = (
         file=CONTEXT,
         original="""\
         with self._lock.write_untimed():
-            return self._purge_locked(room_id, generation)
+            state = self._close_locked(room_id, generation)
 """,
         replacement="""\
         with self._lock.write_untimed():  # MUTANT: the room is closed in one critical section
@@ -91,15 +91,8 @@ MUTANTS: tuple[Mutant, ...] = (
                 return RoomPurge(room_id, False, False, frozenset())
             del self._rooms[room_id]
         with self._lock.write_untimed():  # ... and its keys and counters go in a second one
-            for _, session in state.requests:
-                self._drop_session_ref(session, room_id)
-            self._requested_keys -= len(state.requests)
-            if state.prefetched:
-                self._prefetched_count -= 1
-            self._purges += 1
-            return RoomPurge(
-                room_id, True, state.prefetched, frozenset(state.requests), state.generation
-            )
+            self._rooms[room_id] = state
+            self._close_locked(room_id, None)
 """,
         kind="race",
         description="purge_room closes the room, releases the lock, then drops its keys and "
@@ -111,22 +104,28 @@ MUTANTS: tuple[Mutant, ...] = (
         id="request-prefetch-check-then-act",
         file=CONTEXT,
         original="""\
-        with self._lock.write():
-            state = self._live(room_id, generation)
-            if state is None or key in state.requests:
+            requests = state.requests
+            if key in requests:
                 return False
+            requests.add(key)
 """,
         replacement="""\
-        if self.is_requested(room, chunk_idx, session_id):  # MUTANT: checked outside the lock
-            return False
-        with self._lock.write():
-            state = self._live(room_id, generation)
-            if state is None:
+            requests = state.requests
+            if key in requests:
                 return False
+            if mutex is None:  # MUTANT: the lock is let go between the test and the add
+                lock.release_write()
+                lock.acquire_write()
+            else:
+                lock._owner = None
+                mutex.release()
+                mutex.acquire()
+                lock._owner = _get_ident()
+            requests.add(key)
 """,
         kind="race",
-        description="request_prefetch tests the key before taking the lock: two threads both "
-        "add it and both report True; counters and the session index drift",
+        description="request_prefetch lets the lock go between testing the key and adding it: "
+        "two threads both add it and both report True; the key counter drifts",
         tests=STAGING_TESTS,
         stress=STAGING_STRESS,
     ),
@@ -149,16 +148,20 @@ MUTANTS: tuple[Mutant, ...] = (
         id="live-ignores-handle-generation",
         file=CONTEXT,
         original="""\
-        state = self._live_quiet(room_id, generation)
-        if state is None:
+            if state is None or (generation is not None and state.generation != generation):
+                self._refuse(room_id, generation)
+                return False
+            requests = state.requests
 """,
         replacement="""\
-        state = self._live_quiet(room_id, None)  # MUTANT: a stale handle is not refused
-        if state is None:
+            if state is None:  # MUTANT: a stale handle is not refused
+                self._refuse(room_id, generation)
+                return False
+            requests = state.requests
 """,
         kind="lifecycle",
-        description="writers' _live drops the generation check: a stale handle writes into "
-        "the room's next opening",
+        description="request_prefetch drops the generation check of the open room: a stale "
+        "handle writes into the room's next opening",
         tests=WITH_DPOR,
         stress=STAGING_STRESS,
     ),
@@ -166,19 +169,20 @@ MUTANTS: tuple[Mutant, ...] = (
         id="mark-prefetched-closed-room-accepted",
         file=CONTEXT,
         original="""\
-            if state is None or state.prefetched:
+            if state is None or (generation is not None and state.generation != generation):
+                self._refuse(room_id, generation)
+                return False
+            if state.prefetched:
                 return False
             state.prefetched = True
-            self._prefetched_count += 1
-            return True
 """,
         replacement="""\
-            if state is not None and state.prefetched:
+            if state is None or (generation is not None and state.generation != generation):
+                self._refuse(room_id, generation)
+                return True  # MUTANT: a mark on a closed room (or stale handle) reports success
+            if state.prefetched:
                 return False
-            if state is not None:
-                state.prefetched = True
-                self._prefetched_count += 1
-            return True  # MUTANT: a mark on a closed room (or stale handle) reports success
+            state.prefetched = True
 """,
         kind="lifecycle",
         description="mark_prefetched on a closed room or through a stale handle returns True "
@@ -217,6 +221,105 @@ MUTANTS: tuple[Mutant, ...] = (
         description="the inline (non-debug) mutex guard enters without waiting when the lock "
         "is taken: mutual exclusion is lost only under contention",
         tests=("tests/test_locks.py", *STAGING_TESTS),
+        stress=STAGING_STRESS,
+    ),
+    Mutant(
+        id="fast-guard-owner-cleared-after-release",
+        file="staging/locks.py",
+        original="""\
+        self._lock._owner = None
+        self._inner.release()
+""",
+        replacement="""\
+        self._inner.release()  # MUTANT: the lock is let go before the owner is cleared ...
+        self._lock._owner = None  # ... which can erase the next holder's own entry
+""",
+        kind="race",
+        description="the inline mutex guard releases before clearing the owner: under "
+        "contention it erases the next holder's ownership (assert_held fails in the holder)",
+        tests=("tests/test_locks.py", *STAGING_TESTS),
+        stress=STAGING_STRESS,
+    ),
+    Mutant(
+        id="inline-request-owner-cleared-after-release",
+        file=CONTEXT,
+        original="""\
+            if mutex is not None:
+                lock._owner = None
+                mutex.release()
+""",
+        replacement="""\
+            if mutex is not None:
+                mutex.release()  # MUTANT: request_prefetch's inline release, owner cleared late
+                lock._owner = None
+""",
+        kind="race",
+        description="request_prefetch's inline mutex release clears the owner after letting "
+        "the lock go: another holder's ownership is erased (the lock's own code is intact)",
+        tests=("tests/test_locks.py", *STAGING_TESTS),
+        stress=STAGING_STRESS,
+    ),
+    Mutant(
+        id="contended-waiter-claims-owner",
+        file="staging/locks.py",
+        original="""\
+        with self._stats_lock:
+            self._contended += 1
+        timeout = -1.0 if untimed else self._timeout_arg
+""",
+        replacement="""\
+        with self._stats_lock:
+            self._contended += 1
+        self._owner = _get_ident()  # MUTANT: a waiter names itself owner before it holds it
+        timeout = -1.0 if untimed else self._timeout_arg
+""",
+        kind="race",
+        description="a contended acquisition writes the owner before it has the lock: the "
+        "holder's assert_held fails while another thread waits",
+        tests=("tests/test_locks.py", *STAGING_TESTS),
+        stress=STAGING_STRESS,
+    ),
+    Mutant(
+        id="purge-session-room-by-room",
+        file=CONTEXT,
+        original="""\
+            if not by_room:
+                return frozenset()
+            for room_id in by_room:
+                state = self._rooms[room_id]
+""",
+        replacement="""\
+            if not by_room:
+                return frozenset()
+        for room_id in by_room:  # MUTANT: each room's keys go in a critical section of its own
+            with self._lock.write_untimed():
+                state = self._rooms.get(room_id)
+                if state is None:
+                    continue
+""",
+        kind="race",
+        description="purge_session drops the session's keys room by room, one acquisition "
+        "per room: a multi-key reader (snapshot, prefetch_requested) sees it half done",
+        tests=STAGING_TESTS,
+        stress=STAGING_STRESS,
+    ),
+    Mutant(
+        id="prefetch-requested-room-by-room",
+        file=CONTEXT,
+        original="""\
+        with self._lock.read():
+            return self._requested_unlocked()
+""",
+        replacement="""\
+        keys: list[PrefetchKey] = []  # MUTANT: one locked read per room, not one for all
+        for room in self.open_rooms:
+            keys.extend((room, chunk, session) for chunk, session in self.room_requests(room))
+        return frozenset(keys)
+""",
+        kind="race",
+        description="the prefetch_requested snapshot reads the rooms one acquisition at a "
+        "time (purge_session itself intact): a session can be seen half removed",
+        tests=STAGING_TESTS,
         stress=STAGING_STRESS,
     ),
 )

@@ -25,12 +25,17 @@ nothing is left). Meanwhile two probe threads run tiny recorded programs on a ro
 own, contending for the same lock, and every round's history must be linearizable
 (:mod:`stress.linearizability`).
 
+The context has ``--lock``'s kind (rw or mutex: nothing here depends on which) and is in
+lock debug mode on even seeds only (:func:`debug_locks`): odd seeds race the library's default
+configuration, whose inline lock paths debug mode bypasses. ``tests/test_staging_races.py``
+runs the scenario with each kind in each mode.
+
 Test-only planted bugs (``config.plant_bug``), each of which must fail the run:
 ``"resurrect"`` swaps in a context that re-opens a purged room for a late writer
 (``no-resurrection``); ``"racy-request"`` makes ``request_prefetch`` a check-then-act
 (``linearizable``); ``"reentry"`` makes workers re-acquire the held staging lock now and then
-(``lock-order``); ``"deadlock"`` makes worker 0 keep the write lock forever (``no-deadlock``,
-``no-thread-left``).
+(``lock-order``; such a run is always in debug mode); ``"deadlock"`` makes worker 0 keep the
+write lock forever (``no-deadlock``, ``no-thread-left``).
 """
 
 from __future__ import annotations
@@ -118,6 +123,15 @@ class _RacyContext(StagingContext):
         return True
 
 
+def debug_locks(config: StressConfig) -> bool:
+    """Whether a run builds its context in lock debug mode: on even seeds (re-entry and
+    lock-order checks, ``lock-order``), and always for the planted ``reentry``; odd seeds run
+    the library's own default, debug off, whose inline acquisition paths (the mutex guard,
+    ``request_prefetch``'s inline mutex) debug mode bypasses. The lock kind is
+    ``--lock``'s, whichever it is."""
+    return config.seed % 2 == 0 or config.plant_bug == "reentry"
+
+
 class _Shared:
     """State shared by the workers and the coordinator of one run."""
 
@@ -129,7 +143,8 @@ class _Shared:
             factory = _RacyContext
         # A lock wait twice the watchdog period is a deadlock: it raises instead of hanging the
         # run (the watchdog has reported the stall by then).
-        self.ctx = factory(lock=config.lock, debug=True, lock_timeout=2 * config.watchdog_s)
+        self.debug = debug_locks(config)
+        self.ctx = factory(lock=config.lock, debug=self.debug, lock_timeout=2 * config.watchdog_s)
         self.config = config
         self.monitor = monitor
         self.rooms = config.rooms
@@ -758,6 +773,7 @@ class StagingRace:
         coordinator.drive()
         extra: dict[str, JSONValue] = {
             "lock_kind": shared.ctx.lock_kind,
+            "debug_locks": shared.debug,
             "epochs": coordinator.epochs,
             "quiescent_point_reads": coordinator.point_reads,
             "continuous_checks": coordinator.checks,
