@@ -282,3 +282,51 @@ def test_planted_per_element_update_is_caught(lock: str, monkeypatch: pytest.Mon
             f"planted: update one element per acquisition [{lock}]",
         )
     caught(result, "per-element update")
+
+
+# ------------------------------------------------------------------ 4: remove is one step
+
+
+class TwoRemovers:
+    """One key; two threads ``remove`` it."""
+
+    lock = "mutex"
+
+    def __init__(self) -> None:
+        self.ctx = CompatStagingContext(lock=self.lock, debug=False)
+        self.ctx.prefetch_requested.add((2, 0, "a"))
+        self.ctx.prefetched_rooms.add(2)
+        self.removed: list[object] = []  # list.append is atomic; += on an int is not
+        self.missing: list[object] = []
+        self.errors: list[BaseException] = []
+
+    def _remove(self, view: Any, item: Any) -> None:
+        try:
+            view.remove(item)
+            self.removed.append(item)
+        except KeyError:
+            self.missing.append(item)
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def remove_key(self) -> None:
+        self._remove(self.ctx.prefetch_requested, (2, 0, "a"))
+        self._remove(self.ctx.prefetched_rooms, 2)
+
+    def holds(self) -> bool:
+        assert not self.errors, self.errors
+        assert sorted(map(repr, self.removed)) == ["(2, 0, 'a')", "2"], (
+            f"remove() succeeded for {self.removed} and raised KeyError for {self.missing} "
+            "(2 keys, removed by 2 threads each): it is not one check-and-remove"
+        )
+        return True
+
+
+@pytest.mark.parametrize("lock", LOCK_KINDS)
+def test_remove_is_one_check_and_remove(lock: str) -> None:
+    """``remove`` is atomic: of two threads removing one key, exactly one succeeds and the
+    other gets ``KeyError`` (the planted violation, ``remove`` as ``in`` then ``discard``, is
+    ``blind-compat-remove-racy`` in ``make mutants``)."""
+    rig = type(f"TwoRemovers_{lock}", (TwoRemovers,), {"lock": lock})
+    holds(explore(rig, [TwoRemovers.remove_key, TwoRemovers.remove_key], TwoRemovers.holds,
+                  f"remove vs remove ({lock})"))

@@ -51,8 +51,10 @@ from sender.chunks import Chunk
 from sender.errors import KVTransferError
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
+from sender.notifier import Notifier
 from sender.poll import KVPoll
 from staging import StagingContext
+from staging.context import RoomHandle
 from tests.test_dpor_sender import EXPLORE, PAGE_BYTES, GuardedTransfer, InstantTransport
 
 pytestmark = pytest.mark.timeout(300)
@@ -125,8 +127,37 @@ def _unfenced_start(mgr: KVManager) -> Callable[[list[Chunk]], list[Chunk]]:
     return start
 
 
+class _CheckingNotifier(Notifier):
+    """A notifier with no thread (nothing is sent) that records every notice queued while its
+    opening still had chunks draining: PROTOCOL.md §3, "a purge with nothing in flight queues
+    the notice at once; otherwise the last chunk to end queues it"."""
+
+    def __init__(self, rooms: Any) -> None:
+        super().__init__(None)
+        self._send = _no_send  # enabled, but no thread: queued notices stay queued
+        self.rooms = rooms
+        self.early: list[RoomHandle] = []
+
+    def enqueue(self, notice: Any, sessions: tuple[str, ...]) -> None:
+        handle = RoomHandle(notice.room, notice.gen)
+        if self.rooms.draining_by_handle.get(handle):  # called under the room lock
+            self.early.append(handle)
+        super().enqueue(notice, sessions)
+
+
+def _no_send(session_id: str, message: bytes) -> None:
+    pass
+
+
+def _check_notices(mgr: KVManager) -> _CheckingNotifier:
+    notifier = _CheckingNotifier(mgr.rooms)
+    mgr.notifier = mgr.rooms.notifier = notifier
+    return notifier
+
+
 class FenceRig:
-    """One room, one chunk parked for thread W; thread S clears or fails-and-reports."""
+    """One room, one chunk parked for thread W; thread S clears or fails-and-reports. The room
+    notice is checked too: queued only once nothing of the opening drains."""
 
     planted = False
 
@@ -141,6 +172,7 @@ class FenceRig:
         )
         if self.planted:
             self.mgr.pipeline._start = _unfenced_start(self.mgr)  # type: ignore[method-assign]
+        self.notifier = _check_notices(self.mgr)
         self.sender = NixlKVSender(self.mgr, ROOM, ["d0"], [make_transfer_info("d0", range(4))])
         self.sender.init(4)
         self.unit = _park(self.mgr, self.sender.handle, np.array([0, 1, 2, 3]))
@@ -186,6 +218,7 @@ class FenceRig:
         assert not self.errors, f"raised: {self.errors!r}"
         drained = self.mgr.wait_drained(None, 1.0)
         assert drained and self.mgr.draining() == 0, "a purged room's transfer never ended"
+        assert not self.notifier.early, "a room notice was queued while its chunk drained"
         footprint = self.mgr.footprint(ROOM)
         assert footprint == (), f"room {ROOM} left in {footprint}"
         releases = [t.raw_releases for t in self.transport.transfers]

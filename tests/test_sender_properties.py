@@ -518,3 +518,147 @@ def test_a_room_notice_waits_for_the_last_draining_chunk(
         mgr.close()
     t.join(10)
     assert not t.is_alive()
+
+
+# ------------------------------------------------------- worker-mode sends racing close()
+
+
+@pytest.mark.timeout(180)
+def test_sends_racing_close_every_submitted_chunk_ends() -> None:
+    """Worker mode queues a send's unit under the room lock, so that ``close()``'s stop
+    sentinels queue behind every unit whose chunks were counted: a scheduler thread sends
+    chunks back to back while ``close()`` runs (switch interval 1 µs), 300 times; once both
+    returned, every submitted chunk has ended (done, failed, skipped or drained). (In-memory
+    transport: 300 managers; the same queueing runs over real NIXL in the stress suite.)"""
+    from tests.test_dpor_sender import InstantTransport
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    kv = torch_zeros(64)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    lost = 0
+    try:
+        for _ in range(300):
+            mgr = KVManager(InstantTransport(), kv, num_workers=1, notify_decode=False)
+            senders = []
+            for room in range(4):
+                s = NixlKVSender(mgr, room, ["d"], [make_transfer_info("d", range(64))])
+                s.init(64)
+                senders.append(s)
+            go = threading.Event()
+
+            def scheduler(senders: list[NixlKVSender] = senders, go: threading.Event = go) -> None:
+                go.set()
+                for page in range(16):
+                    for s in senders:
+                        s.send([page])
+
+            t = threading.Thread(target=scheduler, daemon=True)
+            t.start()
+            go.wait(10)
+            for _ in range(rng.randrange(200)):
+                pass
+            mgr.close(timeout_s=1.0)
+            t.join(30)
+            assert not t.is_alive()
+            st_ = mgr.stats()
+            lost += st_.chunks_submitted - (
+                st_.chunks_done + st_.chunks_failed + st_.chunks_skipped + st_.chunks_drained
+            )
+    finally:
+        sys.setswitchinterval(old)
+    assert lost == 0, f"seed {seed}: {lost} submitted chunks never ended (queued after close())"
+
+
+def torch_zeros(pages: int) -> Any:
+    import torch
+
+    return torch.zeros((pages, PAGE_BYTES), dtype=torch.uint8)
+
+
+# ------------------------------------------------------------ concurrent hung-chunk sweeps
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_sweeps_never_raise_and_workers_survive(
+    sender_pool: SenderPool, peer_factory: Callable[..., Any]
+) -> None:
+    """One thread sweeps hung chunks at a time, and a sweep never raises into its caller: six
+    threads call ``progress()`` (which sweeps when one is due) and ``wait_drained`` back to
+    back while a chunk to a stopped peer is hung (switch interval 1 µs), for 40 sweep
+    periods. Nothing may raise, both workers must still be alive and take new work, and no
+    error may be counted."""
+    peer = peer_factory()
+    tx = sender_pool.transport
+    tx.add_peer("hung", peer.metadata)
+    mgr = KVManager(tx, sender_pool.pool, num_workers=2, transfer_timeout_s=0.2,
+                    fail_session_on_disconnect=False)
+    old = sys.getswitchinterval()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    try:
+        warm = NixlKVSender(mgr, 1, ["hung"], [make_transfer_info("hung", [0])])
+        warm.init(1)
+        warm.send([3])
+        assert _wait(lambda: warm.poll() is KVPoll.Success, 30)
+        warm.clear()
+        peer.stop()
+        doomed = NixlKVSender(mgr, 2, ["hung"], [make_transfer_info("hung", [1])])
+        doomed.init(1)
+        doomed.send([4])
+        assert _wait(lambda: doomed.poll() is KVPoll.Failed, 30)  # hung now
+        sys.setswitchinterval(1e-6)
+
+        def sweeper(i: int) -> None:
+            try:
+                while not stop.is_set():
+                    mgr.progress(doomed.handle)
+                    if i % 2:
+                        mgr.wait_drained(doomed.handle, 0)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=sweeper, args=(i,), daemon=True) for i in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(40 * SWEEP_S)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        sys.setswitchinterval(old)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == [], errors[:3]
+        assert all(w.is_alive() for w in mgr._workers), "a worker died"
+        assert mgr.stats().worker_errors == 0
+        peer.cont()
+        doomed.clear()
+        assert mgr.wait_drained(doomed.handle, 30)
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        mgr.close()
+
+
+# ----------------------------------------------------------------- unknown sessions
+
+
+@pytest.mark.timeout(60)
+def test_a_notice_to_a_removed_session_is_failed_not_skipped(
+    sender_pool: SenderPool, decode_peer: Any
+) -> None:
+    """``peer_disconnected`` is ``False`` for a session that is not a peer (PROTOCOL.md §3: a
+    notice to a session that is not a peer of the transport any more fails, counted in
+    ``notices_failed``; only a peer that reported a disconnect is skipped)."""
+    tx = sender_pool.transport
+    tx.add_peer("gone", decode_peer.metadata())
+    assert tx.peer_disconnected("gone") is False
+    assert tx.peer_disconnected("never-added") is False
+    with KVManager(tx, sender_pool.pool, num_workers=0) as mgr:
+        s = NixlKVSender(mgr, 4, ["gone"], [make_transfer_info("gone", [0])])
+        tx.remove_peer("gone")
+        assert tx.peer_disconnected("gone") is False
+        s.clear()
+        assert _wait(lambda: mgr.stats().notices_failed == 1, 10), mgr.stats()
+        assert mgr.stats().notices_skipped_dead == 0

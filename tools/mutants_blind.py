@@ -3,13 +3,41 @@
 Written from docs/THREADING.md (without its last section), docs/PROTOCOL.md section 3 and the
 code, before reading the tests or the other mutant lists. Each description names the contract
 sentence the mutant violates. Run: ``python -m tools.mutants --only ID,...``.
+
+The study chose each mutant's test targets by file name; each also runs the property checks
+of its area (:data:`AREA_CHECKS`, added when the study's survivors were answered), as a
+maintainer of that module would.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from tools.mutants_spec import Mutant
 
-MUTANTS: tuple[Mutant, ...] = (
+AREA_CHECKS: dict[str, tuple[str, ...]] = {
+    "sender/": (
+        "tests/test_sender_properties.py",
+        "tests/test_load_defects.py",
+        "tests/test_dpor_sender_fence.py",
+        "tests/test_dpor_sender_purge.py",
+        "tests/test_dpor_transport.py",
+    ),
+    "staging/compat.py": ("tests/test_dpor_compat.py", "tests/test_compat_leniency.py"),
+    "staging/": ("tests/test_locks.py", "tests/test_linearizability.py"),
+}
+"""The checks of each area (a path prefix; the first that matches a mutant's file)."""
+
+
+def _with_area_checks(mutant: Mutant) -> Mutant:
+    for prefix, checks in AREA_CHECKS.items():
+        if mutant.file.startswith(prefix):
+            tests = tuple(dict.fromkeys((*mutant.tests, *checks)))
+            return dataclasses.replace(mutant, tests=tests)
+    return mutant
+
+
+_STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-gate-fresh-lock",
         file="sender/rooms.py",
@@ -520,15 +548,27 @@ MUTANTS: tuple[Mutant, ...] = (
         id="blind-mark-prefetched-stale",
         file="staging/context.py",
         original=(
-            "        with self._lock.write():\n"
-            "            state = self._live(room_id, generation)\n"
-            "            if state is None or state.prefetched:\n"
+            "        lock = self._lock\n"
+            "        lock.acquire_write()\n"
+            "        try:\n"
+            "            state = self._rooms.get(room_id)\n"
+            "            if state is None or (generation is not None and state.generation != "
+            "generation):\n"
+            "                self._refuse(room_id, generation)\n"
+            "                return False\n"
+            "            if state.prefetched:\n"
         ),
         replacement=(
+            "        lock = self._lock\n"
             "        early = self._live_quiet(room_id, generation)\n"
-            "        with self._lock.write():\n"
-            "            state = early or self._live(room_id, generation)\n"
-            "            if state is None or state.prefetched:\n"
+            "        lock.acquire_write()\n"
+            "        try:\n"
+            "            state = early or self._rooms.get(room_id)\n"
+            "            if state is None or (generation is not None and state.generation != "
+            "generation):\n"
+            "                self._refuse(room_id, generation)\n"
+            "                return False\n"
+            "            if state.prefetched:\n"
         ),
         kind="race",
         description=(
@@ -569,3 +609,5 @@ MUTANTS: tuple[Mutant, ...] = (
         stress=("sender-audit",),
     ),
 )
+
+MUTANTS: tuple[Mutant, ...] = tuple(_with_area_checks(m) for m in _STUDY)
