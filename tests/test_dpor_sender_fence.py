@@ -392,3 +392,42 @@ def test_planted_ungated_batched_send_is_caught() -> None:
     )
     assert result.property_holds is False, "the explorer missed the post after clear()"
     assert "posted after the room's purge returned" in (result.explanation or "")
+
+
+# ------------------------------------------------ the purge's notice against a posting worker
+
+
+class NoticeFenceRig(FenceRig):
+    """As :class:`FenceRig`, but the worker's write is still in flight after its one poll
+    (its stand-in stays ``PROC``): a purge that lands after the post finds the chunk draining
+    and must *hold* the room's notice until the chunk ends, whatever the purge saw before it
+    took the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transport._states = ["PROC"]
+
+    def worker(self) -> None:
+        try:
+            pending = self.mgr.pipeline._run_unit(self.unit)
+            if pending:
+                self.mgr.pipeline.poll_all(pending)
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def holds_notice(self) -> bool:
+        assert not self.notifier.early, "a room notice was queued while its chunk drained"
+        for transfer in self.transport.transfers:
+            transfer.state = "DONE"  # now it ends; the notice follows
+        return self.holds()
+
+
+@pytest.mark.usefixtures("frontrun_enabled")
+def test_purge_holds_the_notice_of_a_chunk_posted_before_it_one_preemption() -> None:
+    """The planted violation (the purge decides "nothing draining" from what it read before
+    the gate) is ``blind-notice-hold-stale`` in ``make mutants``."""
+    result = _explore(
+        NoticeFenceRig, [NoticeFenceRig.worker, FenceRig.clear], NoticeFenceRig.holds_notice,
+        "post (in flight) vs clear: the notice",
+    )
+    assert result.property_holds is True, result.explanation

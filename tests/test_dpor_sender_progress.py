@@ -166,3 +166,88 @@ def test_planted_unclaimed_end_is_caught() -> None:
     result = _explore(DoubleEndingRig, "planted unclaimed end")
     assert result.property_holds is False, "the explorer missed the double completion"
     print((result.explanation or "").splitlines()[0])
+
+
+class TwoClaims:
+    """One chunk; two threads claim its end."""
+
+    def __init__(self) -> None:
+        from staging.context import RoomHandle
+
+        self.chunk = Chunk(
+            RoomHandle(ROOM, 1), 0, "d0", np.array([0]), None, None, "kv", True, 1, None, None,
+            0.0,
+        )
+        self.won: list[int] = []
+
+    def claim(self) -> None:
+        if self.chunk.claim():
+            self.won.append(1)
+
+    def holds(self) -> bool:
+        assert len(self.won) == 1, f"{len(self.won)} threads won the one-shot claim"
+        return True
+
+
+@pytest.mark.usefixtures("frontrun_enabled")
+def test_a_chunks_claim_has_exactly_one_winner_all_interleavings() -> None:
+    """``Chunk.claim`` is a one-shot test-and-set (docs/THREADING.md, "Every chunk ends exactly
+    once"): of two threads, exactly one wins, whatever the interleaving."""
+    result = frontrun.explore(
+        setup=TwoClaims, workers=[TwoClaims.claim, TwoClaims.claim], invariant=TwoClaims.holds,
+        **EXPLORE,
+    )
+    print(f"claim vs claim: {result.num_explored} interleavings, holds={result.property_holds}")
+    assert result.num_explored > 0
+    assert result.property_holds is True, result.explanation
+
+
+@pytest.mark.timeout(120)
+def test_a_chunks_claim_has_exactly_one_winner_under_perturbed_threads() -> None:
+    """The same sentence with real threads, perturbed: every thread runs under a trace hook
+    that yields the CPU at every Python function return (so a check and an act split by any
+    call can be interleaved, which the GIL alone almost never does at a 1 µs switch
+    interval), four threads race for each of 300 chunks' claims."""
+    import os
+    import sys
+    import threading
+
+    from staging.context import RoomHandle
+
+    def yielding(frame: Any, event: str, arg: Any) -> Any:
+        if event == "return":
+            os.sched_yield()
+        return yielding
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    doubles = 0
+    try:
+        for n in range(300):
+            chunk = Chunk(
+                RoomHandle(ROOM, n + 1), 0, "d0", np.array([0]), None, None, "kv", True, n,
+                None, None, 0.0,
+            )
+            won: list[int] = []
+            start = threading.Barrier(4)
+
+            def claimer(chunk: Chunk = chunk, won: list[int] = won,
+                        start: threading.Barrier = start) -> None:
+                sys.settrace(yielding)
+                try:
+                    start.wait(10)
+                    if chunk.claim():
+                        won.append(1)
+                finally:
+                    sys.settrace(None)
+
+            threads = [threading.Thread(target=claimer, daemon=True) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            assert not any(t.is_alive() for t in threads)
+            doubles += len(won) != 1
+    finally:
+        sys.setswitchinterval(old)
+    assert doubles == 0, f"{doubles} of 300 chunks' claims had more or fewer than one winner"

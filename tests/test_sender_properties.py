@@ -287,8 +287,25 @@ def _forms(pages: list[int]) -> list[Any]:
     return forms
 
 
+LONG_PAGES = st.lists(st.integers(0, 200), min_size=33, max_size=120)
+"""Lists past the 32 pages that :func:`sender.pages.scan_pages` scans in Python: its numpy
+path (one comparison for strictly increasing lists, a sort otherwise)."""
+
+
+@pytest.mark.parametrize("n", [33, 64, 200])
+def test_a_long_sorted_list_with_one_adjacent_repeat_is_refused(n: int) -> None:
+    """The numpy path's shortcut is for *strictly* increasing lists: a sorted list with two
+    equal neighbours must still be found to repeat a page."""
+    pages = list(range(n))
+    pages[n // 2] = pages[n // 2 - 1]
+    with pytest.raises(ValueError, match="repeats page"):
+        make_transfer_info("d", pages)
+    with pytest.raises(TransportParamError):
+        CheckedPages(pages, unique=True)
+
+
 @settings(max_examples=150, deadline=None)
-@given(PAGES)
+@given(st.one_of(PAGES, LONG_PAGES))
 def test_repeated_destination_pages_are_refused_on_every_path(pages: list[int]) -> None:
     """``make_transfer_info`` and ``CheckedPages(unique=True)`` refuse a page list exactly when
     it repeats a page, whatever its form: a list, int64/int32 arrays, sorted, reversed, a
@@ -311,7 +328,7 @@ def test_repeated_destination_pages_are_refused_on_every_path(pages: list[int]) 
 
 @pytest.mark.timeout(120)
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 60), min_size=2, max_size=40))
+@given(st.one_of(st.lists(st.integers(0, 60), min_size=2, max_size=40), LONG_PAGES))
 def test_write_pages_refuses_repeated_destinations_before_nixl(
     shared_transport: Any, pages: list[int]
 ) -> None:
@@ -347,8 +364,8 @@ def shared_transport() -> Any:
     from sender.peer import DecodePeer
     from tests.fixtures_nixl import make_sender_pool
 
-    sp = make_sender_pool(64)
-    peer = DecodePeer("dup-peer", 64, PAGE_BYTES)
+    sp = make_sender_pool(256)
+    peer = DecodePeer("dup-peer", 256, PAGE_BYTES)
     sp.transport.add_peer("d", peer.metadata())
     spy = _Spy(sp.transport._xfer_agent)
     sp.transport._xfer_agent = spy
