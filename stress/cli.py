@@ -19,6 +19,7 @@ status 1. It is not for normal use and is not shown by ``--help``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 from collections.abc import Sequence
@@ -41,9 +42,11 @@ from stress.report import (
     invariant_table,
     native_table,
     replay_command,
+    sender_log_table,
     summary_table,
     write_json,
 )
+from stress.sender_log import SenderLog
 
 EXIT_SKIPPED = 3
 """Exit status under ``--require-all`` when a scenario was skipped (and none failed)."""
@@ -167,6 +170,12 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
         "count and print them labelled (show), or leave fd 2 alone (pass)",
     )  # fmt: skip
     parser.add_argument(
+        "--sender-log", choices=("count", "show"), default="count",
+        help="the sender's and staging layer's own log records (one WARNING per failed "
+        "room: thousands in a run that fails rooms on purpose): count them by kind in the "
+        "report (count), or leave logging as configured (show)",
+    )  # fmt: skip
+    parser.add_argument(
         "--require-all", action="store_true",
         help=f"exit with status {EXIT_SKIPPED} when a scenario is skipped (cannot run here)",
     )  # fmt: skip
@@ -236,6 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:  # e.g. no fd 2: run without the capture
             print(f"note: NIXL/UCX lines are not counted ({exc})", flush=True)
             native = None
+    sender_log = SenderLog() if args.sender_log == "count" else None
+    if sender_log is not None:
+        sender_log.start()
     try:
         for name, scenario in chosen.items():
             print(
@@ -243,10 +255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"lock={config.lock}",
                 flush=True,
             )
-            results.append(
-                run_scenario(scenario, config, progress=progress, hard_exit=True, native=native)
+            result = run_scenario(
+                scenario, config, progress=progress, hard_exit=True, native=native
             )
+            if sender_log is not None:
+                result = dataclasses.replace(result, sender_log=sender_log.take())
+            results.append(result)
     finally:
+        if sender_log is not None:
+            sender_log.stop()
         if native is not None:
             native.stop()
     print()
@@ -255,6 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if native_text:
         print()
         print(native_text)
+    log_text = sender_log_table(results)
+    if log_text:
+        print()
+        print(log_text)
     print()
     print(invariant_table(results))
     failed = [r.name for r in results if not r.ok]

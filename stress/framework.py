@@ -44,6 +44,7 @@ from stress.invariants import (
     NO_THREAD_LEFT,
 )
 from stress.native_stderr import NativeLines, NativeStderr, merge
+from stress.sender_log import LogCounts
 
 QUICK_DURATION_S = 2.0
 """Per-scenario duration under ``--quick``."""
@@ -623,6 +624,9 @@ class ScenarioResult:
     """Why the scenario did not run here, or ``None`` (see :attr:`status`)."""
     native: NativeLines | None = None
     """NIXL/UCX lines written to fd 2 during the run, by class (``None``: not captured)."""
+    sender_log: LogCounts | None = None
+    """The library's own log records during the run, by kind (``None``: not captured;
+    :mod:`stress.sender_log`)."""
 
     @property
     def ok(self) -> bool:
@@ -694,6 +698,12 @@ class ScenarioResult:
             else {
                 "counts": dict(self.native.counts),
                 "examples": {k: list(v) for k, v in self.native.examples.items()},
+            },
+            "sender_log": None
+            if self.sender_log is None
+            else {
+                "counts": dict(self.sender_log.counts),
+                "examples": {k: list(v) for k, v in self.sender_log.examples.items()},
             },
             "extra": self.extra,
         }

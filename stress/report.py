@@ -126,6 +126,50 @@ def native_table(results: Sequence[ScenarioResult]) -> str:
     )
 
 
+def sender_log_table(results: Sequence[ScenarioResult]) -> str:
+    """The library's own log records during each scenario, counted by kind (logger, level,
+    format string; one count column per scenario, ``-`` = not captured), then the first line
+    of each ``ERROR`` kind, or ``""`` when nothing was captured. A stress run fails rooms on
+    purpose: these are expected; an invariant, not these lines, says whether a run failed."""
+    captured = [r for r in results if r.sender_log is not None]
+    if not captured:
+        return ""
+    kinds: list[str] = []
+    for r in captured:
+        assert r.sender_log is not None
+        kinds += [k for k in r.sender_log.counts if k not in kinds]
+    if not kinds:
+        return "sender log: no record from the sender or staging loggers"
+    width = 100
+    header = ("sender log record (logger level: format)", *(r.name for r in results))
+    rows = [
+        (
+            kind if len(kind) <= width else kind[: width - 1] + "…",
+            *(
+                "-" if r.sender_log is None else f"{r.sender_log.counts.get(kind, 0):,}"
+                for r in results
+            ),
+        )
+        for kind in kinds
+    ]
+    total = sum(r.sender_log.total for r in captured if r.sender_log is not None)
+    lines = [
+        f"sender log records (counted, not printed; --sender-log show prints them): {total:,}",
+        _table(header, rows, left=(0,)),
+    ]
+    for kind in kinds:
+        level = kind.split(" ", 2)[1].rstrip(":") if kind.count(" ") >= 2 else ""
+        if level not in ("ERROR", "CRITICAL"):
+            continue
+        for r in captured:
+            assert r.sender_log is not None
+            first = r.sender_log.examples.get(kind)
+            if first:
+                lines.append(f"{level} in {r.name}: {first[0]}")
+                break
+    return "\n".join(lines)
+
+
 def invariant_table(results: Sequence[ScenarioResult]) -> str:
     """One row per invariant name, one violation-count column per scenario (- = n/a)."""
     names: list[str] = []
@@ -211,6 +255,11 @@ def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[st
         for name, n in (r.native.counts if r.native is not None else {}).items():
             before = native.get(name, 0)
             native[name] = (before if isinstance(before, int) else 0) + n
+    sender_log: dict[str, JSONValue] = {}
+    for r in results:
+        for kind, n in (r.sender_log.counts if r.sender_log is not None else {}).items():
+            before = sender_log.get(kind, 0)
+            sender_log[kind] = (before if isinstance(before, int) else 0) + n
     return {
         "seed": config.seed,
         "ok": all(r.ok for r in results),
@@ -220,6 +269,7 @@ def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[st
         "scenarios": [r.to_json() for r in results],
         "invariants": totals,
         "native_stderr": native,
+        "sender_log": sender_log,
     }
 
 

@@ -113,6 +113,14 @@ def test_quick_sender_scenarios_hold_every_invariant(tmp_path: Path) -> None:
     assert by_name["sender-lifecycle"]["extra"]["faults_injected"] > 0
     peer = by_name["peer-faults"]["extra"]
     assert peer["peer_kills"] + peer["peer_stops"] > 0
+    # The sender's WARNING per failed room is counted in the report, not printed (rooms fail
+    # on purpose here: a printed line each would bury the report).
+    failed_kind = "sender.manager WARNING: room %d generation %d failed (sessions %s): %s: %s"
+    assert doc["sender_log"].get(failed_kind, 0) > 0, doc["sender_log"]
+    assert by_name["peer-faults"]["sender_log"]["counts"].get(failed_kind, 0) > 0
+    assert "sender log records (counted, not printed" in proc.stdout
+    for stream in (proc.stdout, proc.stderr):
+        assert " failed (sessions " not in stream
 
 
 @pytest.mark.parametrize(
