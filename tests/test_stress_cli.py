@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,8 +120,8 @@ def test_quick_sender_scenarios_hold_every_invariant(tmp_path: Path) -> None:
     assert doc["sender_log"].get(failed_kind, 0) > 0, doc["sender_log"]
     assert by_name["peer-faults"]["sender_log"]["counts"].get(failed_kind, 0) > 0
     assert "sender log records (counted, not printed" in proc.stdout
-    for stream in (proc.stdout, proc.stderr):
-        assert " failed (sessions " not in stream
+    for stream in (proc.stdout, proc.stderr):  # the table shows the format, not lines
+        assert re.search(r"room \d+ generation \d+ failed", stream) is None
 
 
 @pytest.mark.parametrize(
