@@ -202,6 +202,52 @@ def test_a_chunks_claim_has_exactly_one_winner_all_interleavings() -> None:
     assert result.property_holds is True, result.explanation
 
 
+def _one_winner(rig: TwoClaims) -> str | None:
+    return None if len(rig.won) == 1 else f"{len(rig.won)} threads won the one-shot claim"
+
+
+def test_a_chunks_claim_has_exactly_one_winner_at_every_preemption_point() -> None:
+    """The same sentence, deterministically with real threads (``tests/interleave.py``): the
+    first claimer is stopped at each line and return of the library's code it passes (a
+    return splits a call from what its caller does next), the second claims meanwhile. No
+    dependence on the machine's load: every such schedule runs, every time."""
+    from tests.interleave import explore
+
+    result = explore(TwoClaims, TwoClaims.claim, TwoClaims.claim, _one_winner)
+    print(f"claim vs claim: {result.schedules} schedules, {result.blocked} blocked")
+    assert result.schedules >= 2
+    assert not result.failures, result.failures
+
+
+class _CheckThenClaimChunk(Chunk):
+    """PLANTED BUG: the claim asks whether the chunk ended, then takes the lock and reports
+    a win whatever the acquire answered."""
+
+    __slots__ = ()
+
+    def claim(self) -> bool:
+        if self.ended:
+            return False
+        self._claim.acquire(False)
+        return True
+
+
+class _TwoPlantedClaims(TwoClaims):
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunk.__class__ = _CheckThenClaimChunk
+
+
+def test_planted_check_then_claim_is_caught_at_a_preemption_point() -> None:
+    from tests.interleave import explore
+
+    result = explore(
+        _TwoPlantedClaims, _TwoPlantedClaims.claim, _TwoPlantedClaims.claim, _one_winner
+    )
+    print(f"planted: {result.schedules} schedules, failing at {result.failures}")
+    assert result.failures, "the preemption explorer missed the check-then-claim"
+
+
 @pytest.mark.timeout(120)
 def test_a_chunks_claim_has_exactly_one_winner_under_perturbed_threads() -> None:
     """The same sentence with real threads, perturbed: every thread runs under a trace hook
