@@ -452,6 +452,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     args = build_parser().parse_args(argv)
+    args.json = Path(args.json).resolve()  # children run in the scratch copy: no relative path
     try:
         mutants, notes = load_mutants()
         chosen = select(mutants, args.only)
