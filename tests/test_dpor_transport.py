@@ -33,7 +33,12 @@ import frontrun
 import pytest
 import torch
 
-from sender.errors import PeerNotFoundError, TransportClosedError, TransportParamError
+from sender.errors import (
+    PeerNotFoundError,
+    TransferReleasedError,
+    TransportClosedError,
+    TransportParamError,
+)
 from sender.transport import NixlTransport, Transfer
 from tests.fixtures_nixl import requires_nixl
 
@@ -193,3 +198,58 @@ def test_write_pages_against_a_membership_change_one_preemption(
 ) -> None:
     result = _explore(action, peer_metadata)
     assert result.property_holds is True, result.explanation
+
+
+# ------------------------------------------------------- poll against release, every point
+
+
+class PollRig(Rig):
+    """A transfer already posted (still in progress); thread P polls it once, thread R
+    releases it (``action``: the transfer's own ``release()``, or ``remove_peer``, which
+    releases the peer's transfers). The contract (``Transfer.poll``: "serialised with
+    ``release()``"; "Raises: TransferReleasedError: the transfer was released (NIXL is not
+    touched)"): the poll answers ``"PROC"`` or raises ``TransferReleasedError``, nothing else,
+    and the handle is released exactly once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.xfer = self.tx.write_pages(SESSION, [1, 2], [3, 4], b"room=1;chunk=0;last=1")
+        self.polled: list[object] = []
+
+    def poll(self) -> None:
+        try:
+            self.polled.append(self.xfer.poll())
+        except BaseException as exc:
+            self.polled.append(exc)
+
+    def release(self) -> None:
+        if self.action == "remove_peer":
+            self.tx.remove_peer(SESSION)
+        else:
+            self.xfer.release()
+
+    def judge(self) -> str | None:
+        try:
+            (got,) = self.polled
+            if not (got == "PROC" or isinstance(got, TransferReleasedError)):
+                return f"poll() gave {got!r}"
+            if self.stub.releases != {1: 1}:
+                return f"releases per handle: {self.stub.releases}"
+            return None
+        finally:
+            self.tx.close()
+            self.tx._agent = self.real_agent
+
+
+@pytest.mark.parametrize("action", ["release", "remove_peer"])
+def test_poll_against_release_at_every_preemption_point(action: str, peer_metadata: bytes) -> None:
+    """Deterministic, real threads (``tests/interleave.py``): the poller is stopped at every
+    line and return of the library's code it passes while the release runs; a poll that looked
+    at the transfer's state outside its lock is caught whatever the machine's load."""
+    from tests.interleave import explore
+
+    rig = type(f"PollRig_{action}", (PollRig,), {"action": action, "metadata": peer_metadata})
+    result = explore(rig, PollRig.poll, PollRig.release, PollRig.judge, block_s=0.5)
+    print(f"poll vs {action}: {result.schedules} schedules, {result.blocked} blocked")
+    assert result.schedules >= 3
+    assert not result.failures, result.failures
