@@ -17,7 +17,8 @@ point): it is then given ``block_s`` seconds, after which the first is released 
 finish concurrently. That schedule is still a legal one, so a property that fails there is a
 real violation; the count of such schedules is reported (``blocked``).
 
-Used by ``tests/test_dpor_sender_progress.py`` (a chunk's one-shot claim); not a test module.
+Used by the claim, poll/release, close/open_room and sweep checks (docs/THREADING.md, the
+guarantee table); not a test module.
 """
 
 from __future__ import annotations

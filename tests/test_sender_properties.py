@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -679,3 +680,85 @@ def test_a_notice_to_a_removed_session_is_failed_not_skipped(
         s.clear()
         assert _wait(lambda: mgr.stats().notices_failed == 1, 10), mgr.stats()
         assert mgr.stats().notices_skipped_dead == 0
+
+
+# ----------------------------------------------- one sweeper at a time, every preemption point
+
+
+class _HungTransfer:
+    """A transfer stand-in that stays in progress past its deadline (what a stopped peer's
+    write does): every poll raises ``TransferTimeoutError``; release idempotent, counted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.released = 0
+
+    def poll(self) -> str:
+        from sender.errors import TransferTimeoutError
+
+        raise TransferTimeoutError("d0", 0.0)
+
+    def settled(self) -> bool:
+        return False  # NIXL still has it in progress
+
+    def release(self) -> None:
+        with self._lock:
+            self.released += 1
+
+
+class _HungTransport:
+    def __init__(self) -> None:
+        self.transfers: list[_HungTransfer] = []
+
+    def write_pages(self, session_id: str, src: Any, dst: Any, notif: Any = None,
+                    **kw: Any) -> _HungTransfer:  # fmt: skip
+        self.transfers.append(_HungTransfer())
+        return self.transfers[-1]
+
+
+class _SweepRig:
+    """An inline manager with one hung chunk and a sweep due; two threads call
+    ``maybe_sweep`` (what every worker turn, slot wait, ``progress()`` and ``wait_drained``
+    do)."""
+
+    def __init__(self) -> None:
+        from staging import StagingContext
+
+        self.transport = _HungTransport()
+        kv = torch.zeros((8, 16), dtype=torch.uint8)
+        self.mgr = KVManager(self.transport, kv, num_workers=0, fail_session_on_disconnect=False,
+                             staging=StagingContext(lock="mutex"))  # fmt: skip
+        sender = NixlKVSender(self.mgr, 5, ["d0"], [make_transfer_info("d0", range(4))])
+        sender.init(4)
+        sender.send(np.array([0, 1, 2, 3]))
+        self.mgr.progress(sender.handle)  # the poll times out: the chunk is hung now
+        assert self.mgr.rooms.hung, "the rig's chunk did not hang"
+        self.mgr.pipeline._sweep_due = 0.0  # a sweep is due
+        self.errors: list[BaseException] = []
+
+    def sweep(self) -> None:
+        try:
+            self.mgr.pipeline.maybe_sweep()
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def judge(self) -> str | None:
+        if self.errors:
+            return f"maybe_sweep raised {self.errors!r}"
+        if self.mgr.rooms.unaccounted_errors:
+            return f"{self.mgr.rooms.unaccounted_errors} errors counted inside a sweep"
+        return None
+
+
+def test_one_sweeper_at_a_time_at_every_preemption_point() -> None:
+    """Deterministic, real threads (``tests/interleave.py``): one ``maybe_sweep`` is stopped
+    at every line and return of the library's code it passes while a second runs. "One
+    thread sweeps at a time; a sweep never raises into its caller" (docs/THREADING.md): a
+    second sweeper that ignores the sweep claim releases the first one's, and is caught at
+    the point between the claim and the sweep whatever the machine's load."""
+    from tests.interleave import explore
+
+    result = explore(_SweepRig, _SweepRig.sweep, _SweepRig.sweep, _SweepRig.judge, block_s=0.5)
+    print(f"sweep vs sweep: {result.schedules} schedules, {result.blocked} blocked")
+    assert result.schedules >= 3
+    assert not result.failures, result.failures[:3]

@@ -270,7 +270,7 @@ MUTANTS: tuple[Mutant, ...] = (
         description="a purged opening's room notice is queued when its first draining chunk "
         "ends, not its last: the decode side is told its pages are free while a write of the "
         "room may still land in them",
-        tests=("tests/test_room_notices.py",),
+        tests=("tests/test_room_notices.py", PROPERTIES),
         stress=SENDER_STRESS,
     ),
     Mutant(
