@@ -116,9 +116,12 @@ def explore(
     block_s: float = 2.0,
     join_s: float = 60.0,
     max_points: int = 5_000,
+    stop_on_first: bool = False,
 ) -> Exploration:
     """Run ``first`` and ``second`` on a fresh ``setup()`` object in every single-preemption
     schedule (module docstring); ``check(obj)`` returns ``None`` or why the property failed.
+
+    ``stop_on_first``: stop at the first failing schedule (a planted bug's check).
 
     Raises:
         AssertionError: a thread did not finish within ``join_s`` (a deadlock), or the
@@ -162,4 +165,6 @@ def explore(
         why = "; ".join(errors) or check(obj)
         if why:
             result.failures.append((k, why))
+            if stop_on_first:
+                break
     return result
