@@ -107,6 +107,20 @@ def _join(runner: _Runner[Any], timeout_s: float, what: str) -> None:
         raise AssertionError(f"{what} did not finish within {timeout_s:g} s")
 
 
+def from_asserts(holds: Callable[[T], object]) -> Callable[[T], str | None]:
+    """A ``check`` for :func:`explore` from an invariant that asserts (as the frontrun rigs'
+    ``holds`` do): the assertion's message, or ``None``."""
+
+    def check(obj: T) -> str | None:
+        try:
+            holds(obj)
+        except AssertionError as exc:
+            return str(exc) or "assertion failed"
+        return None
+
+    return check
+
+
 def explore(
     setup: Callable[[], T],
     first: Callable[[T], object],

@@ -385,21 +385,15 @@ def test_close_against_open_room_threads() -> None:
     assert survivors == 0, f"seed {seed}: {survivors} rooms survived close()"
 
 
-def _close_rig_holds(rig: CloseRig) -> str | None:
-    try:
-        rig.holds()
-    except AssertionError as exc:
-        return str(exc)
-    return None
-
-
 def test_close_against_open_room_at_every_preemption_point() -> None:
     """The same sentence, deterministically (``tests/interleave.py``): ``close()`` is stopped
     at every line and return of the library's code it passes while a thread opens a room, in
     an order that does not depend on the machine's load (the threaded test above does)."""
-    from tests.interleave import explore
+    from tests.interleave import explore, from_asserts
 
-    result = explore(CloseRig, CloseRig.close, CloseRig.open, _close_rig_holds, block_s=0.5)
+    result = explore(
+        CloseRig, CloseRig.close, CloseRig.open, from_asserts(CloseRig.holds), block_s=0.5
+    )
     print(f"close vs open_room: {result.points} points, {result.blocked} blocked")
     assert result.schedules >= 3
     assert not result.failures, result.failures[:3]

@@ -255,14 +255,6 @@ def test_poll_against_release_at_every_preemption_point(action: str, peer_metada
     assert not result.failures, result.failures
 
 
-def _rig_holds(rig: Rig) -> str | None:
-    try:
-        rig.holds()
-    except AssertionError as exc:
-        return str(exc)
-    return None
-
-
 @pytest.mark.parametrize("action", ["remove_peer", "deregister_region", "close"])
 def test_membership_change_against_write_pages_at_every_preemption_point(
     action: str, peer_metadata: bytes
@@ -272,10 +264,10 @@ def test_membership_change_against_write_pages_at_every_preemption_point(
     the library's code it passes while a write runs to its end. A change made in two critical
     sections (list the live transfers, then refuse new writes) lets a write register in
     between that nobody releases: caught here whatever the machine's load."""
-    from tests.interleave import explore
+    from tests.interleave import explore, from_asserts
 
     rig = type(f"Rig_{action}", (Rig,), {"action": action, "metadata": peer_metadata})
-    result = explore(rig, Rig.change, Rig.write, _rig_holds, block_s=0.5)
+    result = explore(rig, Rig.change, Rig.write, from_asserts(Rig.holds), block_s=0.5)
     print(f"{action} vs write: {result.schedules} schedules, {result.blocked} blocked")
     assert result.schedules >= 3
     assert not result.failures, result.failures[:3]
