@@ -598,6 +598,17 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 # ---------------------------------------------------------------------------- results
 
 
+def counted_json(lines: NativeLines | None) -> dict[str, JSONValue] | None:
+    """Counted lines (NIXL/UCX lines, log records) as ``{"counts": ..., "examples": ...}``,
+    or ``None`` when not captured."""
+    if lines is None:
+        return None
+    return {
+        "counts": dict(lines.counts),
+        "examples": {k: list(v) for k, v in lines.examples.items()},
+    }
+
+
 @dataclass(frozen=True)
 class ScenarioResult:
     """The outcome of one scenario run (what the summary table and ``--json`` show)."""
@@ -693,18 +704,8 @@ class ScenarioResult:
                 }
                 for inv in self.invariants
             },
-            "native_stderr": None
-            if self.native is None
-            else {
-                "counts": dict(self.native.counts),
-                "examples": {k: list(v) for k, v in self.native.examples.items()},
-            },
-            "sender_log": None
-            if self.sender_log is None
-            else {
-                "counts": dict(self.sender_log.counts),
-                "examples": {k: list(v) for k, v in self.sender_log.examples.items()},
-            },
+            "native_stderr": counted_json(self.native),
+            "sender_log": counted_json(self.sender_log),
             "extra": self.extra,
         }
 

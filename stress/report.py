@@ -10,7 +10,8 @@ from pathlib import Path
 
 from stress.framework import JSONValue, ScenarioResult, StressConfig
 from stress.invariants import DESCRIPTIONS
-from stress.native_stderr import CLASSES
+from stress.native_stderr import CLASSES, NativeLines
+from stress.sender_log import level_of
 
 MEANINGS = {c.name: c.meaning for c in CLASSES}
 
@@ -158,7 +159,7 @@ def sender_log_table(results: Sequence[ScenarioResult]) -> str:
         _table(header, rows, left=(0,)),
     ]
     for kind in kinds:
-        level = kind.split(" ", 2)[1].rstrip(":") if kind.count(" ") >= 2 else ""
+        level = level_of(kind)
         if level not in ("ERROR", "CRITICAL"):
             continue
         for r in captured:
@@ -242,6 +243,16 @@ def replay_command(config: StressConfig, scenarios: Sequence[str]) -> str:
     return shlex.join(["python", "-m", "stress", *replay_argv(config, scenarios)])
 
 
+def _summed(spans: Sequence[NativeLines | None]) -> dict[str, JSONValue]:
+    """The counts of several scenarios' counted lines added up, by kind."""
+    total: dict[str, JSONValue] = {}
+    for lines in spans:
+        for kind, n in (lines.counts if lines is not None else {}).items():
+            before = total.get(kind, 0)
+            total[kind] = (before if isinstance(before, int) else 0) + n
+    return total
+
+
 def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[str, JSONValue]:
     """The whole run as one JSON-ready dict."""
     totals: dict[str, JSONValue] = {}
@@ -250,16 +261,8 @@ def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[st
             before = totals.get(inv.name, 0)
             totals[inv.name] = (before if isinstance(before, int) else 0) + inv.violations
     failed = [r.name for r in results if not r.ok]
-    native: dict[str, JSONValue] = {}
-    for r in results:
-        for name, n in (r.native.counts if r.native is not None else {}).items():
-            before = native.get(name, 0)
-            native[name] = (before if isinstance(before, int) else 0) + n
-    sender_log: dict[str, JSONValue] = {}
-    for r in results:
-        for kind, n in (r.sender_log.counts if r.sender_log is not None else {}).items():
-            before = sender_log.get(kind, 0)
-            sender_log[kind] = (before if isinstance(before, int) else 0) + n
+    native = _summed([r.native for r in results])
+    sender_log = _summed([r.sender_log for r in results])
     return {
         "seed": config.seed,
         "ok": all(r.ok for r in results),

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+
+from stress.native_stderr import NativeLines
 
 LOGGERS = ("sender", "staging")
 """The loggers captured: the library's two packages (every module logs under one of them)."""
@@ -27,22 +28,21 @@ EXAMPLES_PER_KIND = 2
 """Formatted lines kept per kind."""
 
 
-@dataclass(frozen=True)
-class LogCounts:
-    """Log records of one stretch of a run, by kind (``"logger LEVEL: template"``)."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    examples: dict[str, tuple[str, ...]] = field(default_factory=dict)
-
-    @property
-    def total(self) -> int:
-        """All records counted."""
-        return sum(self.counts.values())
+LogCounts = NativeLines
+"""Log records of one stretch of a run: counts and first examples per kind
+(``"logger LEVEL: format"``), the same shape as the NIXL/UCX line counts."""
 
 
 def kind_of(record: logging.LogRecord) -> str:
     """The row a record is counted in: its logger, level and format string."""
     return f"{record.name} {record.levelname}: {record.msg}"
+
+
+def level_of(kind: str) -> str:
+    """The level name of a :func:`kind_of` row (``""`` if it is not one)."""
+    _, sep, rest = kind.partition(" ")
+    level, colon, _ = rest.partition(": ")
+    return level if sep and colon else ""
 
 
 class SenderLog(logging.Handler):

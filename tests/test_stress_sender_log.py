@@ -118,3 +118,11 @@ def test_report_table_and_json_show_the_counts() -> None:
         f"sender.manager WARNING: {FAILED}": 1
     }
     assert sender_log_table([_result("x", None)]) == ""
+
+
+def test_a_kinds_level_is_read_back_from_it() -> None:
+    from stress.sender_log import kind_of, level_of
+
+    record = logging.LogRecord("sender.peer", logging.ERROR, "f.py", 1, "boom: %s", ("x",), None)
+    assert level_of(kind_of(record)) == "ERROR"
+    assert level_of("no level here") == ""
