@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +44,12 @@ Tracer = Callable[[FrameType, str, Any], Any]
 
 class _Stopper:
     """Counts one thread's scheduling points and stops it at the ``stop_at``-th (``None``:
-    never), until :meth:`resume`."""
+    never), until :meth:`resume` or ``wait_s`` seconds (then :func:`explore`'s join reports
+    the deadlock)."""
 
-    def __init__(self, stop_at: int | None) -> None:
+    def __init__(self, stop_at: int | None, wait_s: float = 60.0) -> None:
         self.stop_at = stop_at
+        self._wait_s = wait_s
         self.points = 0
         self.stopped = threading.Event()
         self._resume = threading.Event()
@@ -60,7 +63,7 @@ class _Stopper:
                 self.points += 1
                 if self.points == self.stop_at:
                     self.stopped.set()
-                    self._resume.wait()
+                    self._resume.wait(self._wait_s)
             return local
 
         def global_(frame: FrameType, event: str, arg: Any) -> Tracer | None:
@@ -153,7 +156,7 @@ def explore(
     result = Exploration(points=counter.points)
     for k in range(counter.points + 1):
         obj = setup()
-        stopper = _Stopper(k if k > 0 else None)
+        stopper = _Stopper(k if k > 0 else None, join_s)
         a = _Runner(first, obj, stopper)
         b = _Runner(second, obj, None)
         if k == 0:
@@ -163,9 +166,14 @@ def explore(
             _join(a, join_s, "the first thread")
         else:
             a.thread.start()
-            while not stopper.stopped.wait(0.05):
+            deadline = time.monotonic() + join_s
+            while not stopper.stopped.wait(0.01):  # stopped at its k-th point, or ended
                 if not a.thread.is_alive():
                     break
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"the first thread neither stopped nor ended in {join_s:g} s"
+                    )
             b.thread.start()
             b.thread.join(block_s)
             if b.thread.is_alive():
