@@ -13,7 +13,8 @@ shape so that adopting the staging layer is a small diff:
   ``intersection_update``, ``symmetric_difference_update`` and the in-place operators)
   take the lock once for the whole update; iteration, ``len``, comparisons, ``copy`` and
   set algebra work on one consistent snapshot, so "Set changed size during iteration"
-  cannot happen.
+  cannot happen (a view with itself -- ``view == view``, ``view - view``, ``view &= view``
+  -- is one snapshot, or one critical section, on both sides).
 * **As lenient as a set where that is safe.** Integer-like room ids and chunk indices
   (anything with ``__index__``: ``numpy.int64``, ``numpy.int32``) and ``str`` subclasses
   are normalised to exact ``int``/``str`` before the lock is taken. ``discard`` of
@@ -574,17 +575,35 @@ def _all(others: tuple[Iterable[Any], ...]) -> list[Any]:
     return out
 
 
-def _members(check: Callable[[object, bool], T], values: Iterable[Any]) -> frozenset[T]:
+_BUILTIN_SCALARS: Final = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+
+def _builtin(value: object) -> bool:
+    """``value`` compares and hashes with built-in code only (no user ``__eq__``)."""
+    kind = type(value)
+    if kind is tuple:
+        return all(_builtin(x) for x in value)  # type: ignore[attr-defined]
+    return kind in _BUILTIN_SCALARS
+
+
+def _members(check: Callable[[object, bool], T], values: Iterable[Any]) -> frozenset[Any]:
     """The members ``values`` name, as exact elements (what :meth:`_SetView.discard` would
-    look for; a value that cannot be a member names none). Runs before any lock is taken:
-    the caller's ``__hash__``/``__eq__``/``__index__`` (user code) run here, never under the
-    context's lock, where only exact ``int``/``str``/``tuple`` elements are compared.
+    look for). Runs before any lock is taken: the caller's ``__hash__``/``__eq__``/
+    ``__index__`` (user code) run here, never under the context's lock. A value that is not
+    an element's exact form is kept as it is only when it is built of built-in types (``1.0``
+    still matches room ``1``, as in a set); any other names no member.
 
     Raises:
         TypeError: an element is unhashable.
     """
-    found = (_maybe(check, x, sets=False) for x in values)
-    return frozenset(item for item in found if item is not None)
+    out: list[Any] = []
+    for value in values:
+        item = _maybe(check, value, sets=False)
+        if item is not None:
+            out.append(item)
+        elif _builtin(value):
+            out.append(value)
+    return frozenset(out)
 
 
 class _SetView(MutableSet[T], Generic[T]):
@@ -699,8 +718,8 @@ class _SetView(MutableSet[T], Generic[T]):
         Thread-safe.
 
         The elements of ``others`` are normalised first, outside the lock, as
-        :meth:`discard` normalises its argument (``numpy.int64(5)`` keeps ``5``; a value
-        that cannot be a member keeps nothing), so that no ``__eq__``/``__hash__`` of the
+        :meth:`discard` normalises its argument (``numpy.int64(5)`` keeps ``5``; a ``str``
+        subclass's key keeps the plain key), so that no ``__eq__``/``__hash__`` of the
         caller runs under the lock. The view itself among ``others`` keeps everything
         (``view &= view`` changes nothing, whatever other threads write meanwhile).
 

@@ -354,3 +354,16 @@ def test_intersection_update_runs_no_user_code_under_the_lock(lock: str) -> None
     assert set(ctx.prefetch_requested) == {A}
     assert set(ctx.prefetched_rooms) == {1}
     assert calls, "the subclasses' methods never ran: the test tests nothing"
+
+
+def test_intersection_update_stays_as_lenient_as_a_set() -> None:
+    """Normalising ``&=``'s elements keeps a set's matches: ``numpy``-style integers, ``str``
+    subclasses and built-in values equal to an element (``1.0`` and room ``1``)."""
+    ctx = CompatStagingContext()
+    ctx.prefetched_rooms |= {1, 2, 3}
+    ctx.prefetched_rooms &= {1.0, 2, "x", (1,)}
+    assert set(ctx.prefetched_rooms) == {1, 2}
+    ctx.prefetch_requested |= {A, B, C}
+    ctx.prefetch_requested.intersection_update([(1.0, 0, "a"), (2, 0, type("S", (str,), {})("a"))])
+    assert set(ctx.prefetch_requested) == {A, B}
+    assert set(ctx.prefetch_requested) & {(1.0, 0, "a")} == {A}
