@@ -13,7 +13,8 @@ shape so that adopting the staging layer is a small diff:
   ``intersection_update``, ``symmetric_difference_update`` and the in-place operators)
   take the lock once for the whole update; iteration, ``len``, comparisons, ``copy`` and
   set algebra work on one consistent snapshot, so "Set changed size during iteration"
-  cannot happen.
+  cannot happen (a view with itself -- ``view == view``, ``view - view``, ``view &= view``
+  -- is one snapshot, or one critical section, on both sides).
 * **As lenient as a set where that is safe.** Integer-like room ids and chunk indices
   (anything with ``__index__``: ``numpy.int64``, ``numpy.int32``) and ``str`` subclasses
   are normalised to exact ``int``/``str`` before the lock is taken. ``discard`` of
@@ -574,6 +575,37 @@ def _all(others: tuple[Iterable[Any], ...]) -> list[Any]:
     return out
 
 
+_BUILTIN_SCALARS: Final = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+
+def _builtin(value: object) -> bool:
+    """``value`` compares and hashes with built-in code only (no user ``__eq__``)."""
+    kind = type(value)
+    if kind is tuple:
+        return all(_builtin(x) for x in value)  # type: ignore[attr-defined]
+    return kind in _BUILTIN_SCALARS
+
+
+def _members(check: Callable[[object, bool], T], values: Iterable[Any]) -> frozenset[Any]:
+    """The members ``values`` name, as exact elements (what :meth:`_SetView.discard` would
+    look for). Runs before any lock is taken: the caller's ``__hash__``/``__eq__``/
+    ``__index__`` (user code) run here, never under the context's lock. A value that is not
+    an element's exact form is kept as it is only when it is built of built-in types (``1.0``
+    still matches room ``1``, as in a set); any other names no member.
+
+    Raises:
+        TypeError: an element is unhashable.
+    """
+    out: list[Any] = []
+    for value in values:
+        item = _maybe(check, value, sets=False)
+        if item is not None:
+            out.append(item)
+        elif _builtin(value):
+            out.append(value)
+    return frozenset(out)
+
+
 class _SetView(MutableSet[T], Generic[T]):
     """The behaviour both views share: writes go through the context, every whole-set
     operation reads one snapshot. Subclasses provide ``__contains__`` (lock-free), the
@@ -659,7 +691,9 @@ class _SetView(MutableSet[T], Generic[T]):
             RoomPurgedError: strict mode, and an element's room was purged recently
                 (nothing is added).
         """
-        items = [self._check(x) for x in _all(others)]
+        # The view itself adds nothing (``view |= view`` is a no-op, not a re-add of an
+        # earlier snapshot over what other threads removed meanwhile).
+        items = [self._check(x) for x in _all(tuple(o for o in others if o is not self))]
         if items:
             self._core.write_many(self._ROOMS, adds=items)
 
@@ -670,6 +704,9 @@ class _SetView(MutableSet[T], Generic[T]):
         Raises:
             TypeError: an element is unhashable.
         """
+        if any(other is self for other in others):  # view -= view: empty, at one instant
+            self._core.write_many(self._ROOMS, keep=frozenset())
+            return
         maybe = (_maybe(self._check, x, sets=False) for x in _all(others))
         items = [item for item in maybe if item is not None]
         if items:
@@ -680,15 +717,24 @@ class _SetView(MutableSet[T], Generic[T]):
         ONCE; atomic (decided against the set as it is inside that critical section).
         Thread-safe.
 
+        The elements of ``others`` are normalised first, outside the lock, as
+        :meth:`discard` normalises its argument (``numpy.int64(5)`` keeps ``5``; a ``str``
+        subclass's key keeps the plain key), so that no ``__eq__``/``__hash__`` of the
+        caller runs under the lock. The view itself among ``others`` keeps everything
+        (``view &= view`` changes nothing, whatever other threads write meanwhile).
+
         Raises:
-            TypeError: an element is unhashable.
+            TypeError: an element is unhashable, or an argument is not iterable.
         """
         keep: frozenset[Any] | None = None
         for other in others:
+            if other is self:  # s & s is s, in the critical section too: no constraint
+                continue
             these = _frozen(other)
             if these is None:
                 raise TypeError(f"intersection_update needs iterables, got {other!r}")
-            keep = these if keep is None else keep & these
+            plain = _members(self._check, these)
+            keep = plain if keep is None else keep & plain
         if keep is not None:
             self._core.write_many(self._ROOMS, keep=keep)
 
@@ -702,6 +748,9 @@ class _SetView(MutableSet[T], Generic[T]):
             RoomPurgedError: strict mode, and an element to add is of a recently purged
                 room (nothing changes).
         """
+        if other is self:  # view ^= view: empty, at one instant
+            self._core.write_many(self._ROOMS, keep=frozenset())
+            return
         items = list(dict.fromkeys(self._check(x) for x in _all((other,))))
         if items:
             self._core.write_many(self._ROOMS, toggles=items)
@@ -748,83 +797,113 @@ class _SetView(MutableSet[T], Generic[T]):
     def _from_iterable(cls, it: Iterable[S]) -> frozenset[S]:
         return frozenset(it)
 
+    def _pair(self, other: object) -> tuple[frozenset[T], frozenset[Any] | None]:
+        """One snapshot of this view and ``other`` as a frozenset (``None``: not iterable).
+        The view compared with itself is ONE snapshot on both sides, so ``view == view``,
+        ``view - view`` and the rest answer as for one set, whatever other threads write."""
+        if other is self:
+            mine = self.snapshot()
+            return mine, mine
+        theirs = _frozen(other)
+        return (frozenset() if theirs is None else self.snapshot()), theirs
+
+    def _sub_self(self, others: tuple[Iterable[Any], ...], mine: frozenset[T]) -> list[Any]:
+        """``others`` with the view itself replaced by the snapshot ``mine``."""
+        return [mine if other is self else other for other in others]
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, AbstractSet):
             return NotImplemented
-        return self.snapshot() == _frozen(other)
+        mine, theirs = self._pair(other)
+        return mine == theirs
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like set
 
     def __le__(self, other: AbstractSet[Any]) -> bool:
-        theirs = _frozen(other) if isinstance(other, AbstractSet) else None
-        return NotImplemented if theirs is None else self.snapshot() <= theirs
+        if not isinstance(other, AbstractSet):
+            return NotImplemented
+        mine, theirs = self._pair(other)
+        return NotImplemented if theirs is None else mine <= theirs
 
     def __lt__(self, other: AbstractSet[Any]) -> bool:
-        theirs = _frozen(other) if isinstance(other, AbstractSet) else None
-        return NotImplemented if theirs is None else self.snapshot() < theirs
+        if not isinstance(other, AbstractSet):
+            return NotImplemented
+        mine, theirs = self._pair(other)
+        return NotImplemented if theirs is None else mine < theirs
 
     def __ge__(self, other: AbstractSet[Any]) -> bool:
-        theirs = _frozen(other) if isinstance(other, AbstractSet) else None
-        return NotImplemented if theirs is None else self.snapshot() >= theirs
+        if not isinstance(other, AbstractSet):
+            return NotImplemented
+        mine, theirs = self._pair(other)
+        return NotImplemented if theirs is None else mine >= theirs
 
     def __gt__(self, other: AbstractSet[Any]) -> bool:
-        theirs = _frozen(other) if isinstance(other, AbstractSet) else None
-        return NotImplemented if theirs is None else self.snapshot() > theirs
+        if not isinstance(other, AbstractSet):
+            return NotImplemented
+        mine, theirs = self._pair(other)
+        return NotImplemented if theirs is None else mine > theirs
 
     def __and__(self, other: AbstractSet[Any]) -> frozenset[T]:
-        theirs = _frozen(other)
-        return NotImplemented if theirs is None else self.snapshot() & theirs
+        mine, theirs = self._pair(other)
+        return NotImplemented if theirs is None else mine & theirs
 
     __rand__ = __and__
 
     def __or__(self, other: AbstractSet[S]) -> frozenset[T | S]:
-        theirs = _frozen(other)
-        return NotImplemented if theirs is None else self.snapshot() | theirs
+        mine, theirs = self._pair(other)
+        return NotImplemented if theirs is None else mine | theirs
 
     __ror__ = __or__
 
     def __sub__(self, other: AbstractSet[Any]) -> frozenset[T]:
-        theirs = _frozen(other)
-        return NotImplemented if theirs is None else self.snapshot() - theirs
+        mine, theirs = self._pair(other)
+        return NotImplemented if theirs is None else mine - theirs
 
     def __rsub__(self, other: AbstractSet[Any]) -> frozenset[Any]:
-        theirs = _frozen(other)
-        return NotImplemented if theirs is None else theirs - self.snapshot()
+        mine, theirs = self._pair(other)
+        return NotImplemented if theirs is None else theirs - mine
 
     def __xor__(self, other: AbstractSet[S]) -> frozenset[T | S]:
-        theirs = _frozen(other)
-        return NotImplemented if theirs is None else self.snapshot() ^ theirs
+        mine, theirs = self._pair(other)
+        return NotImplemented if theirs is None else mine ^ theirs
 
     __rxor__ = __xor__
 
     # The named set methods take any iterables, like set's (the operators need sets).
     def isdisjoint(self, other: Iterable[Any]) -> bool:
         """``True`` if no element of ``other`` is in one snapshot. Thread-safe; read lock."""
-        return self.snapshot().isdisjoint(other)
+        mine = self.snapshot()
+        return mine.isdisjoint(mine if other is self else other)
 
     def issubset(self, other: Iterable[Any]) -> bool:
         """One snapshot ``<=`` ``other``. Thread-safe; read lock."""
-        return self.snapshot().issubset(other)
+        mine = self.snapshot()
+        return mine.issubset(mine if other is self else other)
 
     def issuperset(self, other: Iterable[Any]) -> bool:
         """One snapshot ``>=`` ``other``. Thread-safe; read lock."""
-        return self.snapshot().issuperset(other)
+        mine = self.snapshot()
+        return mine.issuperset(mine if other is self else other)
 
     def union(self, *others: Iterable[S]) -> frozenset[T | S]:
         """One snapshot ``|`` every one of ``others``, as a frozenset. Thread-safe."""
-        return self.snapshot().union(*others)
+        mine = self.snapshot()
+        return mine.union(*self._sub_self(others, mine))
 
     def intersection(self, *others: Iterable[Any]) -> frozenset[T]:
         """One snapshot ``&`` every one of ``others``, as a frozenset. Thread-safe."""
-        return self.snapshot().intersection(*others)
+        mine = self.snapshot()
+        return mine.intersection(*self._sub_self(others, mine))
 
     def difference(self, *others: Iterable[Any]) -> frozenset[T]:
         """One snapshot minus every one of ``others``, as a frozenset. Thread-safe."""
-        return self.snapshot().difference(*others)
+        mine = self.snapshot()
+        return mine.difference(*self._sub_self(others, mine))
 
     def symmetric_difference(self, other: Iterable[S]) -> frozenset[T | S]:
         """One snapshot ``^`` ``other``, as a frozenset. Thread-safe."""
-        return self.snapshot().symmetric_difference(other)
+        mine = self.snapshot()
+        return mine.symmetric_difference(mine if other is self else other)
 
     def __repr__(self) -> str:
         items = sorted(self.snapshot(), key=repr)

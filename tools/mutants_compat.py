@@ -73,3 +73,150 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=COMPAT_TESTS,
     ),
 )
+
+SENTENCE_TESTS = ("tests/test_compat_sentences.py", "tests/test_compat.py")
+"""The checks of issue 23's compat sentences (and the compat unit tests)."""
+
+MUTANTS += (
+    Mutant(
+        id="compat-reopen-lifts-tombstone-early",
+        file=COMPAT,
+        original="""\
+        return self._core.reopen(_room_id(room))
+""",
+        replacement="""\
+        room = _room_id(room)
+        # MUTANT: the tombstone is lifted in its own critical section before reopen drops
+        # the id's keys: a late write in between is accepted, then silently dropped
+        with self._core._lock.write_untimed():
+            self._core._tombstones.pop(room, None)
+        return self._core.reopen(room)
+""",
+        kind="race",
+        description="reopen_room lifts the tombstone and drops the keys in two critical "
+        "sections: a late write between them is accepted and lost (violates 'reopen_room "
+        "lifts a tombstone and drops the id's keys in one critical section')",
+        tests=SENTENCE_TESTS,
+    ),
+    Mutant(
+        id="compat-repurge-keeps-tombstone-age",
+        file=COMPAT,
+        original="""\
+                if room in tombstones:
+                    tombstones.move_to_end(room)
+                    tombstones[room] = False  # a new purge: its first refusal logs again
+                else:
+                    tombstones[room] = False
+                    if len(tombstones) > self._tombstone_capacity:
+                        tombstones.popitem(last=False)
+""",
+        replacement="""\
+                tombstones[room] = False  # MUTANT: one insert path; a re-purge keeps its age
+                if len(tombstones) > self._tombstone_capacity:
+                    tombstones.popitem(last=False)
+""",
+        kind="sequential",
+        description="a re-purged id keeps its old place in the tombstone window and is "
+        "evicted before younger purges (violates 'a re-purge renews the tombstone's age')",
+        tests=SENTENCE_TESTS,
+    ),
+    Mutant(
+        id="compat-intersection-decided-on-a-snapshot",
+        file=COMPAT,
+        original="""\
+        if keep is not None:
+            self._core.write_many(self._ROOMS, keep=keep)
+""",
+        replacement="""\
+        if keep is not None:
+            keep = keep & self.snapshot()  # MUTANT: "only what is there can be kept"
+            self._core.write_many(self._ROOMS, keep=keep)
+""",
+        kind="race",
+        description="intersection_update narrows what it keeps to a snapshot taken before "
+        "the lock: an element of `other` added meanwhile is dropped (violates 'the in-place "
+        "operators decide on the view's state inside the lock')",
+        tests=SENTENCE_TESTS,
+    ),
+    Mutant(
+        id="compat-intersection-raw-elements",
+        file=COMPAT,
+        original="""\
+            plain = _members(self._check, these)
+""",
+        replacement="""\
+            plain = these  # MUTANT: the caller's raw elements are compared under the lock
+""",
+        kind="sequential",
+        description="intersection_update compares the caller's own elements under the write "
+        "lock: a str subclass's __eq__ that reads the context deadlocks (issue 25 defect 7; "
+        "violates 'user code never runs under a lock of the context')",
+        tests=SENTENCE_TESTS,
+    ),
+    Mutant(
+        id="compat-self-comparison-two-snapshots",
+        file=COMPAT,
+        original="""\
+        if other is self:
+            mine = self.snapshot()
+            return mine, mine
+        theirs = _frozen(other)
+""",
+        replacement="""\
+        theirs = _frozen(other)  # MUTANT: the view itself is snapshotted a second time
+""",
+        kind="race",
+        description="view == view (and view - view ...) takes two snapshots: under "
+        "concurrent writes the view disagrees with itself (issue 25's suspicion)",
+        tests=SENTENCE_TESTS,
+    ),
+    Mutant(
+        id="compat-purge-session-per-room",
+        file="staging/context.py",
+        original="""\
+        with self._lock.write_untimed():
+            by_room = self._session_rooms.pop(session_id, None)
+            if not by_room:
+                return frozenset()
+            for room_id in by_room:
+                state = self._rooms[room_id]
+                state.sessions.discard(session_id)
+                doomed = [key for key in state.requests if key[1] == session_id]
+                if doomed:
+                    state.requests.difference_update(doomed)
+                    self._requested_keys -= len(doomed)
+                    touched.append(room_id)
+                    if not state.requests:
+                        self._unindex(state, room_id)
+            if touched:
+                self._session_purges += 1
+        return frozenset(touched)
+""",
+        replacement="""\
+        with self._lock.write_untimed():
+            by_room = self._session_rooms.pop(session_id, None)
+        if not by_room:
+            return frozenset()
+        for room_id in list(by_room):
+            with self._lock.write_untimed():  # MUTANT: one critical section per room
+                state = self._rooms[room_id]
+                state.sessions.discard(session_id)
+                doomed = [key for key in state.requests if key[1] == session_id]
+                if doomed:
+                    state.requests.difference_update(doomed)
+                    self._requested_keys -= len(doomed)
+                    touched.append(room_id)
+                    if not state.requests:
+                        self._unindex(state, room_id)
+        if touched:
+            with self._lock.write_untimed():
+                self._session_purges += 1
+        return frozenset(touched)
+""",
+        kind="race",
+        description="purge_session drops each room's keys in its own critical section: a "
+        "snapshot sees some rooms purged and others not (violates 'purge_session removes "
+        "every room's keys at one instant for a reader of several keys')",
+        tests=SENTENCE_TESTS,
+    ),
+)

@@ -1,0 +1,190 @@
+"""Mutants of the contract sentences that an outside set of planted bugs got past (issue 23,
+section 3): the notifier, the staging pool's leases, the failure records, inline progress
+and the listeners' fan-out. The compat views' sentences are in ``tools/mutants_compat.py``,
+the decode peer's below. Each is planted somewhere else than the line its check was first
+expected to watch; the checks are in ``tests/test_sender_sentences.py`` and
+``tests/test_peer_sentences.py`` (docs/THREADING.md, the guarantee table).
+
+Each snippet must match the current source exactly once (``make mutants`` stops with "stale
+mutant" otherwise).
+"""
+
+from __future__ import annotations
+
+from tools.mutants_spec import Mutant
+
+SENTENCES = ("tests/test_sender_sentences.py",)
+PEER_SENTENCES = ("tests/test_peer_sentences.py",)
+NOTIFIER = "sender/notifier.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        id="notifier-put-after-the-lock",
+        file=NOTIFIER,
+        original="""\
+            self._queued += len(sessions)
+            self._queue.put((notice, sessions))
+""",
+        replacement="""\
+            self._queued += len(sessions)
+        self._queue.put((notice, sessions))  # MUTANT: queued after the lock is released
+""",
+        kind="race",
+        description="enqueue counts under the lock but queues after it: a stop() in between "
+        "puts its sentinel first, and the notice is counted queued yet never sent nor "
+        "withheld (violates 'a queued notice and its counters change together under the "
+        "notifier's lock')",
+        tests=SENTENCES,
+    ),
+    Mutant(
+        id="notifier-counted-after-the-put",
+        file=NOTIFIER,
+        original="""\
+            self._queued += len(sessions)
+            self._queue.put((notice, sessions))
+""",
+        replacement="""\
+            self._queue.put((notice, sessions))
+        with self._lock:  # MUTANT: counted in a second critical section
+            self._queued += len(sessions)
+""",
+        kind="race",
+        description="enqueue queues, then counts in a second critical section: the notifier "
+        "thread sends (and counts sent) a message not yet counted queued; pending goes "
+        "negative (violates 'a queued notice and its counters change together')",
+        tests=SENTENCES,
+    ),
+    Mutant(
+        id="notices-pending-ignores-skipped-dead",
+        file="sender/manager.py",
+        original="""\
+            notices_pending=notices.pending,
+""",
+        replacement="""\
+            notices_pending=notices.queued - notices.sent - notices.failed,  # MUTANT
+""",
+        kind="sequential",
+        description="stats().notices_pending leaves out the notices skipped to dead peers: a "
+        "room told to a dead session stays pending forever (violates 'the pending-notice "
+        "count includes notices skipped to dead peers')",
+        tests=SENTENCES,
+    ),
+    Mutant(
+        id="close-joins-the-notifier-unbounded",
+        file="sender/manager.py",
+        original="""\
+        self.notifier.stop(max(_CLAIMED_END_GRACE_S, deadline - time.monotonic()))
+""",
+        replacement="""\
+        self.notifier.stop(float("inf"))  # MUTANT: the notices of a close must all go out
+""",
+        kind="lifecycle",
+        description="close() waits for the notifier as long as it takes: a notice send "
+        "blocked in NIXL on a partitioned peer blocks close() (violates 'stop()'s join is "
+        "bounded')",
+        tests=SENTENCES,
+    ),
+    Mutant(
+        id="pool-release-by-slot-index",
+        file="staging/buffers.py",
+        original="""\
+            freed = self._release_unlocked(slot.index, slot.lease)
+""",
+        replacement="""\
+            live = self._leases.get(slot.index)  # MUTANT: whatever lease the index has now
+            freed = self._release_unlocked(slot.index, slot.lease if live is None else live.lease)
+""",
+        kind="race",
+        description="release() frees the slot's index whoever leases it now: a stale or "
+        "repeated release frees a slot another owner holds (violates 'a slot's release names "
+        "its lease')",
+        tests=SENTENCES,
+    ),
+    Mutant(
+        id="failure-record-pop-by-room-id",
+        file="sender/manager.py",
+        original="""\
+            with self.failure_lock.write():
+                return self.rooms.failure_records.pop(handle.room, None)
+""",
+        replacement="""\
+        # MUTANT: the ownership check and the pop in two critical sections (by room id)
+        with self.failure_lock.write():
+            return self.rooms.failure_records.pop(handle.room, None)
+""",
+        kind="race",
+        description="pop_failure_record checks the opening under the room lock, then pops by "
+        "room id after releasing it: a stale handle takes the next opening's record "
+        "(violates 'a record is popped for its opening, never by room id alone')",
+        tests=SENTENCES,
+    ),
+    Mutant(
+        id="progress-polls-only-its-own-draining",
+        file="sender/rooms.py",
+        original="""\
+            pending.extend(self.draining.values())
+""",
+        replacement="""\
+            # MUTANT: "each scheduler polls its own room's chunks"
+            pending.extend(c for c in self.draining.values() if c.handle == handle)
+""",
+        kind="sequential",
+        description="inline progress(handle) polls only the draining chunks of its own "
+        "handle: a purged room's in-flight chunk never ends (nobody polls a cleared room) "
+        "(violates 'progress() counts draining chunks')",
+        tests=SENTENCES,
+    ),
+    Mutant(
+        id="fanout-error-names-the-listener",
+        file="sender/events.py",
+        original="""\
+            self._last_error = text
+""",
+        replacement="""\
+            self._last_error = f"{listener}: {text}"  # MUTANT: name the listener
+""",
+        kind="sequential",
+        description="FanOut's error report formats the listener with str(): a listener whose "
+        "__str__ raises escapes onto the manager's thread (violates 'FanOut survives a "
+        "listener whose __repr__/__str__ raises while an error is being reported')",
+        tests=SENTENCES,
+    ),
+    Mutant(
+        id="peer-notice-dedup-by-room",
+        file="sender/peer.py",
+        original="""\
+        key = (notice.room, notice.gen)
+        if key in self._failed:
+""",
+        replacement="""\
+        key = (notice.room, notice.gen)
+        if any(room == notice.room for room, _ in self._failed):  # MUTANT: by room id
+""",
+        kind="sequential",
+        description="the decode peer drops a notice whose room id it already knows: the "
+        "second opening of a room is never learnt, its pages never freed (violates 'a notice "
+        "is de-duplicated by (room, generation), never by room id alone')",
+        tests=PEER_SENTENCES,
+    ),
+    Mutant(
+        id="peer-assign-reads-failed-before-the-lock",
+        file="sender/peer.py",
+        original="""\
+        idx = tuple(int(p) for p in self._indices(pages))
+        with self._cond:
+            if key in self._failed:
+""",
+        replacement="""\
+        idx = tuple(int(p) for p in self._indices(pages))
+        told = self.room_failed(room, gen) is not None  # MUTANT: asked before the lock
+        with self._cond:
+            if told:
+""",
+        kind="race",
+        description="assign_pages asks whether the opening failed before taking the peer's "
+        "lock: a notice learnt in between frees nothing, and the pages stay assigned to a "
+        "room that will never complete (violates 'page assignment checks a room's failed "
+        "state under the peer's lock')",
+        tests=PEER_SENTENCES,
+    ),
+)
