@@ -86,6 +86,8 @@ class ManagerStats:
     Notices: each session message queued ends as ``notices_sent``, ``notices_failed`` or
     ``notices_skipped_dead`` (its session's peer had reported a disconnect);
     ``notices_withheld`` counts notices of rooms whose writes ``close()`` abandoned.
+    ``bytes_posted``: payload bytes of every chunk whose write was posted, whatever its end
+    (done, failed, drained or abandoned), counted when the chunk ends.
     """
 
     open_rooms: int
@@ -125,11 +127,16 @@ class KVManager:
         kv_pool: the prefill KV pool tensor, ``[num_pages, page_bytes]`` uint8 (the same
             tensor registered as ``kv_region``).
         num_workers: transfer-worker threads; ``0`` runs transfers inline on the caller's
-            thread (``submit_chunk`` starts them, ``progress`` polls them).
+            thread (``submit_chunk`` starts them, ``progress`` polls them). Inline with a
+            staging pool, a ``submit_chunk`` that waits for a slot polls the posted chunks
+            holding slots and ends those that completed (only a poll on this thread would
+            end them), so it never waits for its own finished writes.
         staging: the staging context (one is made if ``None``).
         staging_pool: staging slots; when given, every chunk is gathered into a slot and
             sent with one bulk write from region ``staging_region`` (which the caller
             registered with the transport). ``None`` sends pages directly from ``kv_region``.
+            Its ``page_bytes`` is a KV page's size, or the size of the ``byte_range`` slice
+            that the sessions' infos take (checked per info by :meth:`add_transfer_info`).
         transfer_timeout_s: deadline of every transfer (a hung peer is never detected
             otherwise).
         slot_timeout_s: how long a worker waits for a free staging slot.
@@ -153,7 +160,8 @@ class KVManager:
     Raises:
         TypeError, ValueError: bad arguments (every timeout is checked here: a finite number,
             ``poll_interval_s`` not above ``transfer_timeout_s``; a wait longer than
-            ``threading.TIMEOUT_MAX`` is cut to it).
+            ``threading.TIMEOUT_MAX`` is cut to it); a ``staging_pool`` whose pages are larger
+            than a KV page (nothing could ever be staged into it).
     """
 
     def __init__(
@@ -180,6 +188,13 @@ class KVManager:
             raise TypeError("kv_pool must be a 2-D uint8 tensor [num_pages, page_bytes]")
         check_seconds(transfer_timeout_s, "transfer_timeout_s")
         check_seconds(slot_timeout_s, "slot_timeout_s", allow_zero=True)
+        if staging_pool is not None and staging_pool.page_bytes > int(kv_pool.shape[1]):
+            # A staged page is a whole KV page or a slice of one (byte_range): it can never
+            # be larger than a KV page, so no chunk could ever be staged into this pool.
+            raise ValueError(
+                f"staging_pool page_bytes {staging_pool.page_bytes} > the KV pool's page "
+                f"size {int(kv_pool.shape[1])} B: no page or slice of one fits its slots"
+            )
         if poll_interval_s is not None:
             check_seconds(poll_interval_s, "poll_interval_s", allow_zero=True)
             if poll_interval_s > transfer_timeout_s:
@@ -435,8 +450,10 @@ class KVManager:
             TypeError: ``handle`` or ``info`` of the wrong type.
             ValueError: the session is not one of the room's, a destination page past the
                 peer's region, a repeated destination page (an info not made by
-                :func:`make_transfer_info`), or a byte range without a staging pool (nothing
-                changes); or ``info`` has fewer destination pages than the
+                :func:`make_transfer_info`), a byte range without a staging pool, or (with a
+                staging pool) a staged page -- the KV page, or its ``byte_range`` slice --
+                whose size is not the pool's ``page_bytes`` or a ``byte_range`` past the end
+                of a KV page (nothing changes); or ``info`` has fewer destination pages than the
                 ``num_kv_indices`` already declared by ``init_room``: then the info is not
                 stored and the room is **failed** (its stored exception is a
                 :class:`KVTransferError` saying why), so that its scheduler sees ``Failed``.
@@ -449,6 +466,8 @@ class KVManager:
         info = checked_info(info)
         if info.byte_range is not None and self.staging_pool is None:
             raise ValueError("byte_range (a TP slice of each page) needs a staging pool")
+        if self.staging_pool is not None:
+            _check_staged_page(info, int(self.kv_pool.shape[1]), self.staging_pool.page_bytes)
         entry = self.rooms.peek(handle)  # lock-free; add_info checks again under the lock
         if entry is not None and info.session_id not in entry.sessions:
             raise ValueError(
@@ -521,7 +540,9 @@ class KVManager:
         Raises:
             TypeError, ValueError: bad ``chunk_idx``/``start``; the room is not ready (no
                 infos / no init), ``chunk_idx`` already submitted, indices out of range of
-                the KV pool, or past ``num_kv_indices``. Nothing changes in these cases.
+                the KV pool, or past ``num_kv_indices``; with a staging pool, more pages for
+                a session (past its decode prefix) than a slot holds. Nothing changes in
+                these cases.
         """
         _check_handle(handle)
         return self.pipeline.submit(handle, chunk_idx, start, kv_indices, is_last)
@@ -619,7 +640,11 @@ class KVManager:
         had claimed is not abandoned: ``close`` waits for its end (at least 0.5 s) so its
         room's notice is queued. Notices already queued are sent within the same
         ``timeout_s`` (at least 0.5 s); a notifier blocked on an unreachable peer is left
-        behind (a daemon thread) rather than failing ``close``.
+        behind (a daemon thread) rather than failing ``close``. Safe from any thread, also
+        from a transfer worker (a listener callback runs there): that worker is not joined (a
+        thread cannot join itself); its stop is queued and it exits once the callback
+        returns. A worker pausing between polls (``poll_interval_s``) is woken once the
+        drain is over, so a long pause never outlasts the join.
 
         Raises:
             TypeError, ValueError: bad ``timeout_s`` (not a number >= 0; ``inf`` waits as long
@@ -636,6 +661,9 @@ class KVManager:
         abandoned = pipeline.abandon_draining()
         if abandoned:
             rooms.count("transfers_abandoned", abandoned)
+        # Every draining chunk has ended or been abandoned: a worker pausing between polls
+        # (poll_interval_s may be longer than what is left of timeout_s) stops pausing now.
+        pipeline.wake_workers()
         # A chunk that another thread claimed before us is not abandoned: its end (a release
         # and its accounting) is in progress and queues its room's notice. Wait for those
         # ends before the notifier is told to stop, at least _CLAIMED_END_GRACE_S.
@@ -662,6 +690,26 @@ class KVManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_staged_page(info: TransferInfo, kv_page_bytes: int, pool_page_bytes: int) -> None:
+    """The info's staged page (its ``byte_range`` slice of a KV page, or the whole page)
+    fits the staging pool's pages exactly. Raises ValueError, naming the sizes."""
+    if info.byte_range is None:
+        start, length = 0, kv_page_bytes
+    else:
+        start, length = info.byte_range
+        if start + length > kv_page_bytes:
+            raise ValueError(
+                f"byte_range {info.byte_range} of session {info.session_id!r} ends past a KV "
+                f"page of {kv_page_bytes} B"
+            )
+    if length != pool_page_bytes:
+        raise ValueError(
+            f"session {info.session_id!r} stages pages of {length} B "
+            f"({'byte_range ' + str(info.byte_range) if info.byte_range else 'whole KV pages'})"
+            f" but the staging pool's page_bytes is {pool_page_bytes}"
+        )
 
 
 def _check_handle(handle: object) -> None:

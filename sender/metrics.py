@@ -313,7 +313,11 @@ class SenderCollector:
             ("skipped_dead", "notices_skipped_dead"),
         ):
             f.counter("room_notices", doc, n(st, field), result=result)
-        f.counter("posted_bytes", "payload bytes of posted chunks", n(st, "bytes_posted"))
+        f.counter(
+            "posted_bytes",
+            "payload bytes of posted chunks (every posted write, counted at its end)",
+            n(st, "bytes_posted"),
+        )
 
     @staticmethod
     def _transport_metrics(f: _Families, st: Any) -> None:

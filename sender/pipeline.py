@@ -39,7 +39,7 @@ from sender.chunks import Chunk, TransferLike
 from sender.errors import TransferTimeoutError, TransportParamError
 from sender.pages import CheckedPages
 from sender.poll import KVPoll
-from sender.rooms import RoomEntry, RoomTable
+from sender.rooms import After, RoomEntry, RoomTable
 from sender.transport import PageIndices, pause_between_polls, poll_pauses
 from staging.buffers import PoolClosedError, PoolExhaustedError, StagingBufferPool
 from staging.context import RoomHandle
@@ -67,6 +67,17 @@ would take the CPU from NIXL's progress thread and the peer."""
 
 HUNG_SWEEP_S = 0.05
 """Hung chunks are re-checked this often (:meth:`ChunkPipeline.maybe_sweep`), busy or idle."""
+
+INLINE_SLOT_POLL_S = 0.001
+"""Inline mode (``num_workers=0``): a send waiting for a staging slot polls the in-flight
+chunks that hold slots this often (:meth:`ChunkPipeline._end_slot_holders`). Nobody else
+would end them: their writes may have completed long ago, but only a ``poll()`` on this very
+thread would see it, and this thread is the one waiting."""
+
+_WAKEABLE_PAUSE_S = 1e-3
+"""A worker's pause between polls longer than this waits on the pipeline's wake event
+(``close()`` sets it), so that a long ``poll_interval_s`` never outlasts ``close()``'s join;
+shorter pauses sleep (cheaper)."""
 
 _debug_enabled = functools.partial(logger.isEnabledFor, logging.DEBUG)
 
@@ -124,6 +135,7 @@ class ChunkPipeline:
         self.fail_session_on_disconnect = fail_session_on_disconnect
         self._num_pages = int(kv_pool.shape[0])
         self._page_bytes = int(kv_pool.shape[1])
+        rooms.nbytes = self._nbytes  # the payload of a chunk that ends before its post
         # _sweep_claim: one thread at a time sweeps hung chunks (a non-blocking acquire, so
         # nobody waits for it); _sweep_due (monotonic s) is written only by its holder and
         # read without it (a float read is atomic; a stale read delays a sweep by one call).
@@ -132,6 +144,9 @@ class ChunkPipeline:
         # The worker queue: units of chunks (SimpleQueue.put never blocks); None = stop.
         self._queue: queue.SimpleQueue[list[Chunk] | None] = queue.SimpleQueue()
         self._stopped = False
+        # Set once by close() (wake_workers), after its drain: a worker pausing between the
+        # polls of its chunks stops pausing, finds them ended and exits.
+        self._wake = threading.Event()
         self.workers = [
             threading.Thread(target=self._worker_main, name=f"kv-worker-{i}", daemon=True)
             for i in range(num_workers)
@@ -214,21 +229,26 @@ class ChunkPipeline:
         # and the write lock, right before the post.
         entry = rooms.peek(handle)
         if entry is None or rooms.request_status.get(handle.room) is KVPoll.Failed:
-            rooms.count("chunks_skipped", len(unit))
+            rooms.skip(unit)
             return []
         if self.pool is not None:
             unit = self._stage(entry, unit)
             if not unit:
                 return []
+        skipped = After()
         with entry.gate.write_untimed():
-            registered = rooms.register(handle, entry, unit)
+            registered = rooms.register(handle, entry, unit, skipped)
             ends = self._post_all(unit) if registered else []
         if not registered:
             self._return_slots(unit)
+            skipped.run(rooms.events)
             return []
         self._log_posts(unit)
         if ends:
-            self._end_many(ends)
+            # Never raises: a release error fails the room, and the chunks of the unit still
+            # in flight are returned to be polled all the same (a worker polls only what
+            # this returns).
+            self._end_many_safely(ends)
         return [c for c in unit if not c.ended]
 
     def _stage(self, entry: RoomEntry, unit: list[Chunk]) -> list[Chunk]:
@@ -239,20 +259,29 @@ class ChunkPipeline:
         rooms = self.rooms
         handle = entry.handle
         ready = [c for c in unit if not c.num_pages]  # nothing to stage
-        for chunk in rooms.note_prefetched([c for c in unit if c.num_pages]):
+        # Sweep while waiting: the slots waited for may be held by hung chunks. Inline, the
+        # waiting thread also ends the completed chunks that hold slots: they are its own
+        # (or another caller's of send/progress), and no worker would ever end them.
+        on_wake, wake_s = (
+            (self.maybe_sweep, HUNG_SWEEP_S)
+            if self.workers
+            else (self._end_slot_holders, INLINE_SLOT_POLL_S)
+        )
+        for chunk in rooms.note_prefetched(unit):
             try:
                 try:
-                    # Sweep while waiting: the slots waited for may be held by hung chunks.
-                    chunk.slot = pool.acquire(
-                        handle, self.slot_timeout_s, on_wake=self.maybe_sweep,
-                        wake_s=HUNG_SWEEP_S,
+                    slot = None if self.workers else pool.try_acquire(handle)
+                    if slot is None and not self.workers:
+                        self._end_slot_holders()  # before any wait (slot_timeout_s may be 0)
+                    chunk.slot = slot if slot is not None else pool.acquire(
+                        handle, self.slot_timeout_s, on_wake=on_wake, wake_s=wake_s
                     )
                 except (PoolExhaustedError, PoolClosedError) as exc:
                     rooms.slot_failed(chunk, exc)
                     continue
                 if not rooms.still_postable(handle, entry):  # the wait may have been long
                     self._return_slots([chunk])
-                    rooms.count("chunks_skipped")
+                    rooms.skip([chunk])
                     continue
                 pool.gather(chunk.slot, self.kv_pool, chunk.src_pages, chunk.byte_range)
                 ready.append(chunk)
@@ -260,6 +289,17 @@ class ChunkPipeline:
                 self._return_slots([chunk])
                 rooms.internal_error(chunk, exc, chunk_ends=True)
         return ready
+
+    def _end_slot_holders(self) -> None:
+        """Inline mode, while a send waits for a staging slot: poll once every posted chunk
+        that holds a slot (of any room, draining ones included) and end those that ended,
+        then sweep hung chunks if due. Never raises (a release error ends the chunk all the
+        same and is counted in ``worker_errors``, as in :meth:`wait_drained`)."""
+        try:
+            self.poll_all(self.rooms.slot_holders())
+        except BaseException:  # a release error: the chunk ended; the wait goes on
+            self.rooms.unaccounted_errors += 1
+        self.maybe_sweep()
 
     def _return_slots(self, chunks: Sequence[Chunk]) -> None:
         if self.pool is None:
@@ -509,12 +549,29 @@ class ChunkPipeline:
         for _ in self.workers:
             self._queue.put(None)
 
+    def wake_workers(self) -> None:
+        """Cut short every worker's pause between polls, now and later (``close()``, once
+        its drain is over). Idempotent."""
+        self._wake.set()
+
     def join_workers(self, deadline: float) -> list[str]:
         """Join the workers until ``deadline`` (each at least 0.5 s: a worker polling an
-        abandoned chunk sees it released and exits at once); the names still alive."""
+        abandoned chunk sees it released and exits at once); the names still alive. The
+        calling thread, when it is a worker (``close()`` from a listener callback), is not
+        joined (a thread cannot join itself): it has its stop sentinel queued and exits
+        once the callback returns."""
+        me = threading.current_thread()
         for worker in self.workers:
-            worker.join(bounded_wait(max(0.5, deadline - time.monotonic())))
-        return [w.name for w in self.workers if w.is_alive()]
+            if worker is not me:
+                worker.join(bounded_wait(max(0.5, deadline - time.monotonic())))
+        return [w.name for w in self.workers if w is not me and w.is_alive()]
+
+    def _pause(self, pause_s: float) -> None:
+        """A worker's pause between polls (see :data:`_WAKEABLE_PAUSE_S`)."""
+        if pause_s > _WAKEABLE_PAUSE_S:
+            self._wake.wait(bounded_wait(pause_s))
+        else:
+            pause_between_polls(pause_s)
 
     def _sweep_busy(self) -> None:
         """The sweep a busy worker does (between the polls of its chunks, after each unit):
@@ -544,7 +601,7 @@ class ChunkPipeline:
                         self._sweep_busy()
                         pause = next(pauses)
                         hung = self.rooms.hung
-                        pause_between_polls(min(pause, HUNG_SWEEP_S) if hung else pause)
+                        self._pause(min(pause, HUNG_SWEEP_S) if hung else pause)
             except BaseException as exc:  # a worker never dies: the room fails instead
                 self.rooms.internal_error(unit[0], exc, chunk_ends=False)
             self._sweep_busy()

@@ -124,6 +124,7 @@ class RoomEntry:
     last_chunk_seen: bool = False
     prefetch_requests: int = 0
     concluded: bool = False  # its conclusion (success or failure) was counted and told
+    succeeded: bool = False  # it concluded Success (a later failure changes no counter)
     failure_code: str | None = None
     chunk_idxs: set[int] = field(default_factory=set)
     inflight: dict[int, Chunk] = field(default_factory=dict)
@@ -173,6 +174,10 @@ def _note(exc: BaseException, text: str) -> None:
         exc.add_note(text)
     except AttributeError:  # Python 3.10
         exc.__notes__ = [*(notes or ()), text]
+
+
+def _no_bytes(chunk: Chunk) -> int:
+    return 0
 
 
 class PlainGate:
@@ -252,6 +257,9 @@ class RoomTable:
         # ever incremented by a thread that could not take the lock; read by stats).
         self.unaccounted_errors = 0
         self._chunk_ids = itertools.count(1)
+        # A chunk's payload in bytes, for its chunk_ended event (set once by the chunk
+        # pipeline, which knows the page size, before any chunk exists).
+        self.nbytes: Callable[[Chunk], int] = _no_bytes
 
     # ------------------------------------------------------------------ reads
 
@@ -337,6 +345,7 @@ class RoomTable:
             self.set_status_locked(room, _SUCCESS)
             if not entry.concluded and self.request_status[room] is _SUCCESS:
                 entry.concluded = True
+                entry.succeeded = True
                 self.counts["rooms_succeeded"] += 1
                 if after is not None and self.events is not None:
                     after.concluded.append(
@@ -377,28 +386,30 @@ class RoomTable:
         self.set_status_locked(room, _FAILED)
         with self.failure_lock.write():
             self.failure_records.setdefault(room, reason)
-        if first:
+        if first and not entry.concluded:
+            # A room that concluded Success and is failed afterwards (abort() or
+            # record_failure() before clear()) is Failed from now on, but it is counted
+            # neither in rooms_failed nor by code: rooms_failed_by_code sums to rooms_failed.
             code = code or code_for(reason, exc)
             entry.failure_code = code
             self.failed_by_code[code] = self.failed_by_code.get(code, 0) + 1
-            if not entry.concluded:
-                entry.concluded = True
-                self.counts["rooms_failed"] += 1
-                if after is not None:
-                    if self.events is not None:
-                        after.concluded.append(
-                            (room, handle.generation, "failed", code,
-                             time.monotonic() - entry.opened_at)
+            entry.concluded = True
+            self.counts["rooms_failed"] += 1
+            if after is not None:
+                if self.events is not None:
+                    after.concluded.append(
+                        (room, handle.generation, "failed", code,
+                         time.monotonic() - entry.opened_at)
+                    )
+                if not quiet:
+                    after.logs.append(
+                        (
+                            logging.WARNING,
+                            "room %d generation %d failed (sessions %s): %s: %s",
+                            (room, handle.generation, ", ".join(entry.sessions), code,
+                             reason),
                         )
-                    if not quiet:
-                        after.logs.append(
-                            (
-                                logging.WARNING,
-                                "room %d generation %d failed (sessions %s): %s: %s",
-                                (room, handle.generation, ", ".join(entry.sessions), code,
-                                 reason),
-                            )
-                        )
+                    )
         return True
 
     def count(self, name: str, n: int = 1) -> None:
@@ -566,7 +577,8 @@ class RoomTable:
                         (room, entry.handle.generation, "cleared", "cleared",
                          time.monotonic() - entry.opened_at)
                     )
-            if self.notifier.enabled and status is not KVPoll.Success:
+            # None for a room that succeeded, then failed (docs/PROTOCOL.md).
+            if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
                 failed = status is _FAILED
                 notice = RoomNotice(
                     room,
@@ -652,8 +664,9 @@ class RoomTable:
         stop sentinels then queue behind them).
 
         Raises:
-            ValueError: the room is not ready, ``chunk_idx`` was already submitted, or the
-                chunk ends past ``num_kv_indices`` or a session's destination pages. Nothing
+            ValueError: the room is not ready, ``chunk_idx`` was already submitted, the
+                chunk ends past ``num_kv_indices`` or a session's destination pages, or (with
+                a staging pool) it sends a session more pages than a slot holds. Nothing
                 changes then.
         """
         n = int(kv_indices.shape[0])
@@ -688,6 +701,12 @@ class RoomTable:
                 # Pages before the decode prefix are already at the peer: skip them.
                 skip = min(max(info.decode_prefix_len - start, 0), n)
                 sends = skip < n
+                if self.pool is not None and n - skip > self.pool.slot_pages:
+                    raise ValueError(
+                        f"chunk {chunk_idx} of room {handle.room} sends {n - skip} pages to "
+                        f"session {info.session_id!r}; a staging slot holds "
+                        f"{self.pool.slot_pages}"
+                    )
                 dst_checked = info.dst_checked
                 chunks.append(
                     Chunk(
@@ -727,16 +746,20 @@ class RoomTable:
             after.run(self.events)
         return chunks
 
-    def register(self, handle: RoomHandle, entry: RoomEntry, chunks: Sequence[Chunk]) -> bool:
+    def register(
+        self, handle: RoomHandle, entry: RoomEntry, chunks: Sequence[Chunk], after: After
+    ) -> bool:
         """The post fence's check-and-register (the caller holds ``entry.gate``): if the
         opening is still open and not failed, register ``chunks`` as in flight (``True``);
-        else count them skipped (``False``). One write section."""
+        else count them skipped (``False``; their events go to ``after``, which the caller
+        runs once it released the gate: listeners never run under a lock of the model). One
+        write section."""
         with self.lock.write():
             if self.postable_locked(handle, entry, count=True):
                 for chunk in chunks:
                     entry.inflight[chunk.chunk_id] = chunk
                 return True
-            self.counts["chunks_skipped"] += len(chunks)
+            self.skipped_locked(chunks, after)
             return False
 
     def still_postable(self, handle: RoomHandle, entry: RoomEntry) -> bool:
@@ -746,30 +769,67 @@ class RoomTable:
             return self.postable_locked(handle, entry)
 
     def note_prefetched(self, chunks: Sequence[Chunk]) -> list[Chunk]:
-        """Record the staging prefetch key of each chunk (staging context), then count them
-        on the room in one write section; mark the room prefetched once every chunk of it is
-        in. Returns the chunks whose key was recorded (the others are counted skipped: their
-        room is gone)."""
+        """Record the staging prefetch key of each chunk with pages to stage (staging
+        context), then count every chunk of ``chunks`` on the room in one write section
+        (one with no page to stage, wholly inside the decode prefix, has nothing to prefetch
+        and counts as in); mark the room prefetched once every chunk of it is in. Returns
+        the chunks whose key was recorded (the other chunks with pages are counted skipped:
+        their room is gone; those without pages go on to the post fence, which decides)."""
         if not chunks:
             return []
         handle = chunks[0].handle
+        staged = [c for c in chunks if c.num_pages]
+        unstaged = len(chunks) - len(staged)
         kept = [
-            c for c in chunks if self.staging.request_prefetch(c.handle, c.chunk_idx, c.session_id)
+            c for c in staged if self.staging.request_prefetch(c.handle, c.chunk_idx, c.session_id)
         ]
         complete = False
+        after = After()
         with self.lock.write():
-            refused = len(chunks) - len(kept)
             entry = self.live_locked(handle, count=bool(kept))
             if entry is None:
-                refused = len(chunks)
                 kept = []
             else:
-                entry.prefetch_requests += len(kept)
+                entry.prefetch_requests += len(kept) + unstaged
                 complete = entry.last_chunk_seen and entry.prefetch_requests == entry.jobs_total
-            self.counts["chunks_skipped"] += refused
+            if len(kept) != len(staged):
+                ids = {c.chunk_id for c in kept}
+                self.skipped_locked([c for c in staged if c.chunk_id not in ids], after)
+        after.run(self.events)
         if complete:
             self.staging.mark_prefetched(handle)
         return kept
+
+    def skipped_locked(self, chunks: Sequence[Chunk], after: After) -> None:
+        """Count ``chunks`` skipped (never posted: their room is purged or failed) and
+        collect their ``chunk_ended`` events into ``after``. Caller holds ``lock`` (write)."""
+        self.counts["chunks_skipped"] += len(chunks)
+        if self.events is not None and chunks:
+            now = time.monotonic()
+            for chunk in chunks:
+                after.ended.append(
+                    (chunk.session_id, "skipped", now - chunk.made_at, self.nbytes(chunk))
+                )
+
+    def skip(self, chunks: Sequence[Chunk]) -> None:
+        """:meth:`skipped_locked` in one write section, its events emitted after it."""
+        after = After()
+        with self.lock.write():
+            self.skipped_locked(chunks, after)
+        after.run(self.events)
+
+    def _ended_locked(self, chunk: Chunk, outcome: str, after: After) -> None:
+        """Count ``chunk`` ended ``outcome`` (``"failed"`` or ``"skipped"``) before its post
+        and collect its event. Caller holds ``lock`` (write)."""
+        if outcome == "skipped":
+            self.skipped_locked((chunk,), after)
+            return
+        self.counts["chunks_failed"] += 1
+        if self.events is not None:
+            after.ended.append(
+                (chunk.session_id, "failed", time.monotonic() - chunk.made_at,
+                 self.nbytes(chunk))
+            )
 
     def complete_unposted(self, chunks: Sequence[Chunk]) -> None:
         """Chunks with no page to send (all in the decode prefix) are done at once."""
@@ -796,9 +856,9 @@ class RoomTable:
                 chunk.handle, exc, f"no staging slot: {exc}", after, code="internal",
                 session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
             ):
-                self.counts["chunks_failed"] += 1
+                self._ended_locked(chunk, "failed", after)
             else:
-                self.counts["chunks_skipped"] += 1
+                self._ended_locked(chunk, "skipped", after)
         after.run(self.events)
 
     def internal_error(self, chunk: Chunk, exc: BaseException, *, chunk_ends: bool) -> None:
@@ -814,7 +874,7 @@ class RoomTable:
                     code="internal", session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
                 )
                 if chunk_ends:
-                    self.counts["chunks_failed" if failed else "chunks_skipped"] += 1
+                    self._ended_locked(chunk, "failed" if failed else "skipped", after)
             after.run(self.events)
         except BaseException:
             self.unaccounted_errors += 1
@@ -861,6 +921,8 @@ class RoomTable:
                 handle = chunk.handle
                 chunk_id = chunk.chunk_id
                 released = isinstance(exc, TransferReleasedError)
+                if chunk.transfer is not None:  # its write was posted, whatever its end
+                    counts["bytes_posted"] += nbytes(chunk)
                 if self.hung:
                     self.hung.pop(chunk_id, None)
                 drained = bool(self.draining) and self.draining.pop(chunk_id, None) is not None
@@ -894,7 +956,6 @@ class RoomTable:
                 if exc is None:
                     entry.jobs_done += 1
                     counts["chunks_done"] += 1
-                    counts["bytes_posted"] += nbytes(chunk)
                     if entry.last_chunk_seen and entry.jobs_done == entry.jobs_total:
                         self.maybe_succeed_locked(entry, after)
                     if events:
@@ -956,6 +1017,21 @@ class RoomTable:
                 if hung.handle.room != handle.room:
                     pending.append(hung)
         return pending
+
+    def slot_holders(self) -> list[Chunk]:
+        """The posted chunks that hold a staging slot, of open rooms and draining (one read
+        section; inline mode polls them while a send waits for a slot)."""
+        with self.lock.read():
+            held = [
+                c
+                for e in self.rooms.values()
+                for c in e.inflight.values()
+                if c.slot is not None and c.transfer is not None
+            ]
+            held.extend(
+                c for c in self.draining.values() if c.slot is not None and c.transfer is not None
+            )
+        return held
 
     def hung_chunks(self) -> list[Chunk]:
         """A snapshot of the hung chunks (one read section)."""

@@ -300,9 +300,11 @@ class _Peer:
     prepped: dict[str, Any] = field(default_factory=dict)
     # Their binding handles (what ``makeXferReq`` takes), by region name; set once.
     prepped_ids: dict[str, int] = field(default_factory=dict)
-    # Set (never cleared) once NIXL reported this peer's agent disconnected; a peer added
-    # again (remove_peer + add_peer, e.g. a restarted process) is a new entry. A bool write
-    # is atomic: written and read without _lock.
+    # Set once NIXL reported this peer's agent disconnected; cleared when a later write to
+    # it completes (the peer is reachable again, e.g. a healed partition: NIXL's UCX
+    # endpoint reconnected without remove_peer/add_peer). A peer added again (remove_peer +
+    # add_peer, e.g. a restarted process) is a new entry. A bool write is atomic: written
+    # and read without _lock.
     disconnected: bool = False
 
     def __post_init__(self) -> None:
@@ -480,6 +482,8 @@ class Transfer:
                 raise converted from exc
             if status == _NIXL_DONE:
                 self._done = True
+                if self._peer.disconnected:  # it completed: the peer is reachable again
+                    self._peer.disconnected = False
                 self._transport._on_done()
                 return "DONE"
             if status != _NIXL_PROC:
@@ -937,8 +941,9 @@ class NixlTransport:
 
     def peer_disconnected(self, session_id: str) -> bool:
         """``True`` once NIXL reported the peer of ``session_id`` disconnected (a transfer to
-        it, or a notification, raised ``nixlRemoteDisconnectError``) since it was added;
-        ``False`` for an unknown session. Its writes and notifications would fail the same
+        it, or a notification, raised ``nixlRemoteDisconnectError``) since it was added,
+        until a later write to it completes (it is reachable again); ``False`` for an
+        unknown session. Its writes and notifications would fail the same
         way (each with an error line in NIXL's log): the manager skips notices to it.
 
         Thread-safety: safe from any thread; takes no lock (one dict read, one bool read).
@@ -1154,6 +1159,8 @@ class NixlTransport:
                     raise param from exc
                 raise
             xfer._done = done
+            if done and peer.disconnected:  # it completed: the peer is reachable again
+                peer.disconnected = False
             with self._lock:  # one round trip for both counters
                 self._n_started += 1
                 if done:

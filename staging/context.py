@@ -33,7 +33,13 @@ from typing import cast
 
 from staging.errors import RoomAlreadyOpenError, RoomNotOpenError, RoomPurgedError
 from staging.locks import LockLevel, LockStats, MutexLock, RWLock, make_lock
-from staging.validate import check_chunk_idx, check_index, check_room_id, check_session_id
+from staging.validate import (
+    MAX_ID,
+    check_chunk_idx,
+    check_index,
+    check_room_id,
+    check_session_id,
+)
 
 PrefetchKey = tuple[int, int, str]
 """``(room, chunk_idx, session_id)``: the key engines store in ``prefetch_requested``."""
@@ -239,9 +245,10 @@ class StagingContext:
 
         Raises:
             RoomAlreadyOpenError: ``room`` is open (purge it first).
-            TypeError, ValueError: ``room`` is not an ``int`` >= 0 (``bool`` is refused).
+            TypeError, ValueError: ``room`` is not an ``int`` with ``0 <= room < 2**63``
+                (``bool`` is refused).
         """
-        if type(room) is not int or room < 0:
+        if type(room) is not int or room < 0 or room >= MAX_ID:
             room = check_room_id(room)
         state = _Room()  # built before the lock; published in _rooms under it
         lock = self._lock

@@ -58,14 +58,32 @@ def check_seconds(
     return seconds
 
 
+MAX_ID = 2**63
+"""Room ids and chunk indices are below this (they fit a signed 64-bit integer, as the
+engines' request ids do): every message the sender builds from them (a transfer's
+notification, a room notice of at most ``sender.notices.MAX_NOTICE_BYTES``) then fits, and
+formatting one never meets Python's int-to-str digit limit."""
+
+
+def _check_bounded(value: object, what: str) -> int:
+    plain = check_index(value, what)
+    if plain >= MAX_ID:
+        # Named by its size past a few hundred bits: str() of a huge int itself raises.
+        shown = str(plain) if plain.bit_length() <= 256 else f"an int of {plain.bit_length()} bits"
+        raise ValueError(f"{what} must be < 2**63, got {shown}")
+    return plain
+
+
 def check_room_id(room: object) -> int:
-    """A room id: ``int`` >= 0, not ``bool``. Raises: TypeError, ValueError."""
-    return check_index(room, "room")
+    """A room id: ``int`` with ``0 <= room < 2**63`` (:data:`MAX_ID`), not ``bool``.
+    Raises: TypeError, ValueError."""
+    return _check_bounded(room, "room")
 
 
 def check_chunk_idx(chunk_idx: object) -> int:
-    """A chunk index: ``int`` >= 0, not ``bool``. Raises: TypeError, ValueError."""
-    return check_index(chunk_idx, "chunk_idx")
+    """A chunk index: ``int`` with ``0 <= chunk_idx < 2**63`` (:data:`MAX_ID`), not
+    ``bool``. Raises: TypeError, ValueError."""
+    return _check_bounded(chunk_idx, "chunk_idx")
 
 
 def check_session_id(session_id: object) -> str:

@@ -264,7 +264,9 @@ _STUDY: tuple[Mutant, ...] = (
             '                        (room, entry.handle.generation, "cleared", "cleared",\n'
             "                         time.monotonic() - entry.opened_at)\n"
             "                    )\n"
-            "            if self.notifier.enabled and status is not KVPoll.Success:\n"
+            "            # None for a room that succeeded, then failed (docs/PROTOCOL.md).\n"
+            "            if self.notifier.enabled and status is not KVPoll.Success and not entry"
+            ".succeeded:\n"
             "                failed = status is _FAILED\n"
             "                notice = RoomNotice(\n"
             "                    room,\n"
@@ -333,7 +335,9 @@ _STUDY: tuple[Mutant, ...] = (
             '                        (room, entry.handle.generation, "cleared", "cleared",\n'
             "                         time.monotonic() - entry.opened_at)\n"
             "                    )\n"
-            "            if self.notifier.enabled and status is not KVPoll.Success:\n"
+            "            # None for a room that succeeded, then failed (docs/PROTOCOL.md).\n"
+            "            if self.notifier.enabled and status is not KVPoll.Success and not entry"
+            ".succeeded:\n"
             "                failed = status is _FAILED\n"
             "                notice = RoomNotice(\n"
             "                    room,\n"

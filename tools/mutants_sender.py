@@ -23,6 +23,7 @@ SENDER_TESTS = ("tests/test_sender.py", REGRESSIONS)
 SENDER_STRESS = ("sender-audit",)
 PROPERTIES = "tests/test_sender_properties.py"
 LOAD_DEFECTS = "tests/test_load_defects.py"
+EDGE = "tests/test_edge_defects.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -344,5 +345,93 @@ MUTANTS: tuple[Mutant, ...] = (
         description="a CheckedPages slice forgets its parent's bound: out-of-range pages of "
         "a slice pass the transport's O(1) check",
         tests=("tests/test_data_path.py",),
+    ),
+    Mutant(
+        id="e25-inline-slot-wait-only-sweeps",
+        file=PIPELINE,
+        original="""\
+            else (self._end_slot_holders, INLINE_SLOT_POLL_S)""",
+        replacement="""\
+            else (self.maybe_sweep, HUNG_SWEEP_S)  # MUTANT: nobody ends the slot holders""",
+        kind="sequential",
+        description="issue 25 defect 1: an inline send waiting for a slot only sweeps hung "
+        "chunks; its own completed writes hold the slots until slot_timeout_s fails the room",
+        tests=(f"{EDGE}::test_d1_inline_scheduler_step_with_fewer_slots_than_chunks",),
+    ),
+    Mutant(
+        id="e25-skip-without-event",
+        file=ROOMS,
+        original="""\
+        self.counts["chunks_skipped"] += len(chunks)
+        if self.events is not None and chunks:""",
+        replacement="""\
+        self.counts["chunks_skipped"] += len(chunks)
+        if False:  # MUTANT: a skipped chunk is counted but never told""",
+        kind="sequential",
+        description="issue 25 defect 3: skipped chunks reach stats() but not the listener: "
+        "the chunk histograms no longer add up to chunks_ended_total",
+        tests=(
+            f"{EDGE}::test_d3_listener_sees_skipped_and_slot_failed_chunks",
+            f"{EDGE}::test_listener_counts_equal_stats_with_clears_racing_sends",
+        ),
+    ),
+    Mutant(
+        id="e25-success-then-fail-by-code",
+        file=ROOMS,
+        original="""\
+        if first and not entry.concluded:""",
+        replacement="""\
+        if first:  # MUTANT: a room failed after Success is counted by code again""",
+        kind="sequential",
+        description="issue 25 defect 4: abort() after Success counts the room in "
+        "rooms_failed (and by code): a room concludes twice",
+        tests=(f"{EDGE}::test_d4_abort_after_success_counts_no_failure_and_sends_no_notice",),
+    ),
+    Mutant(
+        id="e25-close-joins-itself",
+        file=PIPELINE,
+        original="""\
+            if worker is not me:
+                worker.join(""",
+        replacement="""\
+            if True:  # MUTANT: close() from a worker joins the current thread
+                worker.join(""",
+        kind="sequential",
+        description="issue 25 defect 6: close() from a listener callback on a worker raises "
+        "'cannot join current thread' half-way and leaves the notifier running",
+        tests=(f"{EDGE}::test_d6_close_from_a_listener_callback_on_a_worker",),
+    ),
+    Mutant(
+        id="e25-close-does-not-wake",
+        file="sender/manager.py",
+        original="""\
+        pipeline.wake_workers()
+""",
+        replacement="""\
+        pass  # MUTANT: a worker pausing poll_interval_s outsleeps close()'s join
+""",
+        kind="lifecycle",
+        description="issue 25 suspicion: close() does not wake workers pausing between polls: "
+        "a poll_interval_s longer than its join makes close() raise",
+        tests=(f"{EDGE}::test_s_long_poll_interval_does_not_fail_close",),
+    ),
+    Mutant(
+        id="e25-unposted-failure-without-event",
+        file=ROOMS,
+        original="""\
+        self.counts["chunks_failed"] += 1
+        if self.events is not None:
+            after.ended.append(""",
+        replacement="""\
+        self.counts["chunks_failed"] += 1
+        if False:  # MUTANT: a chunk failing before its post is never told
+            after.ended.append(""",
+        kind="sequential",
+        description="issue 25 defect 3: a chunk that fails before its post (no staging slot) "
+        "reaches stats() but not the listener",
+        tests=(
+            f"{EDGE}::test_d3_listener_sees_skipped_and_slot_failed_chunks",
+            f"{EDGE}::test_listener_counts_equal_stats_with_clears_racing_sends",
+        ),
     ),
 )
