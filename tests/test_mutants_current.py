@@ -22,9 +22,7 @@ def test_every_mutant_snippet_occurs_exactly_once() -> None:
     chosen, _ = mutants.load_mutants()
     assert chosen, "no mutants loaded"
     stale = {
-        m.id: f"{m.file}: {n} times"
-        for m in chosen
-        if (n := mutants.occurrences(m, ROOT)) != 1
+        m.id: f"{m.file}: {n} times" for m in chosen if (n := mutants.occurrences(m, ROOT)) != 1
     }
     assert not stale, f"stale mutants (update their snippets): {stale}"
 
