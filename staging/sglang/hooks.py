@@ -97,46 +97,54 @@ def _owns_room(sender: Any) -> bool:
     return bool(getattr(sender, "_owns_bootstrap_room", True))
 
 
-def clear_then_purge(sender_class: type) -> Callable[..., Any]:
-    """AROUND hook of a ``clear()`` whose released form is "the base class's ``clear()``,
-    then drop the room from the two staging sets" (0.5.21's ``NixlKVSender.clear``, whose
-    drop rebinds ``prefetch_requested`` by a set comprehension).
+class _StagingHidden:
+    """A sender's manager as the released ``clear()`` sees it while the hook runs it: every
+    attribute read and write goes to the real manager (its methods come back bound to it),
+    except ``_staging_ctx``, which reads ``None``, so the released body skips its own drop
+    of the room from the two sets (0.5.21: a rebind the view would refuse; 0.5.23: a walk
+    over every key). The hook purges the room itself, once, before."""
 
-    On our context: the base class's ``clear()`` (upstream's per-room tables), then one
-    ``purge_room`` (both views at one instant, tombstoned, O(keys of the room)). The released
-    body is not run: its rebind would be refused by the view. Any other context (bare sets:
-    the plugin's class was not applied): the released ``clear()`` as it is.
+    __slots__ = ("_mgr",)
+
+    def __init__(self, mgr: Any) -> None:
+        object.__setattr__(self, "_mgr", mgr)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_staging_ctx":
+            return None
+        return getattr(self._mgr, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._mgr, name, value)
+
+
+def purge_then_clear() -> Callable[..., Any]:
+    """AROUND hook of a sender's ``clear()`` (0.5.21's ``NixlKVSender.clear``; 0.5.23's
+    ``CommonKVSender.clear``, which NIXL's and Mooncake's senders inherit).
+
+    On our context, when the sender owns its room (a duplicate's ``clear()`` leaves the room
+    alone, as upstream's does): one ``purge_room`` (both views at one instant, tombstoned,
+    O(keys of the room)); then the released ``clear()`` (upstream's per-room tables, the
+    deferred bootstrap, the ACKs) with the sender's ``kv_mgr`` read through
+    :class:`_StagingHidden` for the duration of the call, so that its own staging drop does
+    not run. ``clear()`` runs on the scheduler thread, the only thread that reads the
+    sender's ``kv_mgr`` (the workers hold the manager itself); the attribute is put back in
+    a ``finally``. Any other context (bare sets, decode side): the released ``clear()`` as
+    it is.
     """
 
     def clear(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
         ctx = _ours(self)
         if ctx is None:
             return original(self, *args, **kwargs)
-        result = super(sender_class, self).clear(*args, **kwargs)
-        if getattr(self.kv_mgr, "enable_staging", True):
+        mgr = self.kv_mgr
+        if getattr(mgr, "enable_staging", True) and _owns_room(self):
             ctx.purge_room(self.bootstrap_room)
-        return result
-
-    clear.__qualname__ = f"nixl_staging.clear_then_purge[{sender_class.__qualname__}]"
-    return clear
-
-
-def purge_then_clear() -> Callable[..., Any]:
-    """AROUND hook of a ``clear()`` that drops the room from the two sets itself, without
-    rebinding them (0.5.23's ``CommonKVSender.clear``, shared by NIXL and Mooncake).
-
-    On our context, and when the sender owns its room (a duplicate's ``clear()`` leaves the
-    room alone, as upstream's does): one ``purge_room`` first (both views at one instant,
-    tombstoned), then the released ``clear()``, whose own discards then find nothing. The
-    released ``list(prefetch_requested)`` walk still runs (a hook cannot take a statement out
-    of the middle of a function): it costs a snapshot of every key, no longer a race.
-    """
-
-    def clear(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-        ctx = _ours(self)
-        if ctx is not None and _owns_room(self):
-            ctx.purge_room(self.bootstrap_room)
-        return original(self, *args, **kwargs)
+        self.kv_mgr = _StagingHidden(mgr)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.kv_mgr = mgr
 
     clear.__qualname__ = "nixl_staging.purge_then_clear"
     return clear

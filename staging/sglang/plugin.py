@@ -207,11 +207,6 @@ def _make(target: Target, resolved: dict[str, object]) -> Callable[..., Any] | t
         if not isinstance(obj, type):
             raise TypeError(f"{target.path} is not a class")
         return hooks.staging_class(obj)
-    if target.hook == "clear_then_purge":
-        owner = pkgutil.resolve_name(target.path.rsplit(".", 1)[0])
-        if not isinstance(owner, type):
-            raise TypeError(f"{target.path} is not a method")
-        return hooks.clear_then_purge(owner)
     if target.hook == "purge_then_clear":
         return hooks.purge_then_clear()
     if target.hook == "lift_on_new_sender":

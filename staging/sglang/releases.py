@@ -46,10 +46,11 @@ RELEASES: Final[dict[str, tuple[Target, ...]]] = {
         ),
         Target(
             f"{_NIXL}.NixlKVSender.clear",
-            "clear_then_purge",
+            "purge_then_clear",
             "AROUND",
             "113022b20bcd716b",
-            "CommonKVSender.clear(), then one purge_room (was: discard + rebind)",
+            "one purge_room, then the released clear() without its staging drop "
+            "(a rebind of prefetch_requested)",
         ),
         Target(
             f"{_COMMON}.CommonKVSender.__init__",
@@ -79,7 +80,8 @@ RELEASES: Final[dict[str, tuple[Target, ...]]] = {
             "purge_then_clear",
             "AROUND",
             "868b15393aa9f65b",
-            "one purge_room first, then the released clear() (NIXL and Mooncake senders)",
+            "one purge_room, then the released clear() without its staging drop (a walk "
+            "over every key); NIXL's and Mooncake's senders inherit it",
         ),
         Target(
             f"{_NIXL}.NixlKVSender.clear",
