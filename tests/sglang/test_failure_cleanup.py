@@ -126,4 +126,3 @@ def test_plugin_targets_are_what_the_docs_say(up: drive.Upstream, figures: list[
         f"nixl-staging plugin applied to sglang {up.version}"
     )
     assert "nixl-staging plugin applied to sglang <release>: " in doc
-    figures.append(f"plugin log line: {infos[0]}")

@@ -10,8 +10,8 @@ SGLang's own ``load_plugins()`` through its entry point, all or nothing, and lou
   ``SGLANG_PLUGINS`` whitelist without us (our function is never called).
 * ``python -m staging.sglang --check`` says the truth in each case, with its exit status.
 
-The child interpreters run in a scratch directory with no ``PYTHONPATH``: what they import
-of ours is the installed wheel.
+One child interpreter (one import of SGLang) runs all of them, in a scratch directory with
+no ``PYTHONPATH``: what it imports of ours is the installed wheel.
 """
 
 from __future__ import annotations
@@ -108,11 +108,31 @@ case("SGLANG_PLUGINS=someone_else", {"SGLANG_PLUGINS": "someone_else"})
 from sglang.srt.disaggregation.common import staging_handler
 import dataclasses
 out["fields"] = [f.name for f in dataclasses.fields(staging_handler.PrefillStagingContext)]
+# python -m staging.sglang --check, in this same interpreter (one import of SGLang for all):
+import contextlib, io
+from staging.sglang.__main__ import main
+def check(env, fake=None):
+    for k in ("SGLANG_PLUGINS", "NIXL_STAGING_SGLANG_PLUGIN"):
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    real = ours.installed_release
+    if fake:
+        ours.installed_release = lambda: fake
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            code = main(["--check"])
+    finally:
+        ours.installed_release = real
+    return {"exit": code, "out": buf.getvalue()}
+out["check"] = check({})
+out["check fake"] = check({}, fake="0.5.99")
+out["check off"] = check({"NIXL_STAGING_SGLANG_PLUGIN": "0"})
 print("JSON" + json.dumps(out))
 """
 
 
-def test_unknown_release_and_opt_outs_register_nothing(
+def test_unknown_release_opt_outs_and_check(
     up: drive.Upstream, figures: list[str], tmp_path: Path
 ) -> None:
     from staging.sglang.releases import RELEASES
@@ -135,29 +155,16 @@ def test_unknown_release_and_opt_outs_register_nothing(
     figures.append(f"unknown release (faked 0.5.99): no hook; WARNING: {message}")
     figures.append(f"NIXL_STAGING_SGLANG_PLUGIN=0: no hook; INFO: {off['log'][0][1]}")
     figures.append("SGLANG_PLUGINS=someone_else: no hook, the plugin is not called")
-
-
-_CHECK = """
-import sys
-import staging.sglang.plugin as ours
-if len(sys.argv) > 1:
-    ours.installed_release = lambda: sys.argv[1]
-from staging.sglang.__main__ import main
-raise SystemExit(main(["--check"]))
-"""
-
-
-def test_check_tells_the_truth(up: drive.Upstream, figures: list[str], tmp_path: Path) -> None:
-    real = _child(_CHECK, tmp_path)
-    assert real.returncode == 0, real.stdout + real.stderr[-2000:]
-    assert f"sglang installed: {up.version}" in real.stdout and "plugin: APPLIES" in real.stdout
-    code = _CHECK.replace("if len(sys.argv) > 1:", "if True:").replace("sys.argv[1]", "'0.5.99'")
-    fake = _child(code, tmp_path)
-    assert fake.returncode == 1 and "does NOT apply" in fake.stdout, fake.stdout
-    off = _child(_CHECK, tmp_path, NIXL_STAGING_SGLANG_PLUGIN="0")
-    assert off.returncode == 2 and "plugin: OFF" in off.stdout, off.stdout
+    # --check tells the truth: applies (0), does not apply (1), turned off (2).
+    real, fake, off_ = out["check"], out["check fake"], out["check off"]
+    assert real["exit"] == 0, real
+    assert f"sglang installed: {up.version}" in real["out"] and "plugin: APPLIES" in real["out"]
+    assert fake["exit"] == 1 and "does NOT apply" in fake["out"], fake
+    assert off_["exit"] == 2 and "plugin: OFF" in off_["out"], off_
     figures.append("--check (installed release), exit 0:")
-    figures.extend(f"  {line}" for line in real.stdout.splitlines())
+    figures.extend(f"  {x}" for x in real["out"].splitlines())
     figures.append("--check (version faked 0.5.99), exit 1:")
-    figures.extend(f"  {line}" for line in fake.stdout.splitlines())
-    figures.append(f"--check (NIXL_STAGING_SGLANG_PLUGIN=0), exit 2: {off.stdout.splitlines()[-1]}")
+    figures.extend(f"  {x}" for x in fake["out"].splitlines())
+    figures.append(
+        f"--check (NIXL_STAGING_SGLANG_PLUGIN=0), exit 2: {off_['out'].splitlines()[-1]}"
+    )
