@@ -25,25 +25,7 @@ from tools.sglang import adopt, torchvision_stub, venvs
 pytestmark = pytest.mark.timeout(120)
 
 
-# Toy code in the two shapes the adopter change recognises (written for this test).
-class _Base:
-    def clear(self) -> None:
-        self.base_cleared = True
-
-
-class _RebuildingSender(_Base):
-    def __init__(self, ctx: Any, room: int) -> None:
-        self.ctx, self.room = ctx, room
-
-    def clear(self) -> None:
-        super().clear()
-        if self.ctx is not None:
-            self.ctx.prefetched_rooms.discard(self.room)
-            self.ctx.prefetch_requested = {
-                k for k in self.ctx.prefetch_requested if k[0] != self.room
-            }
-
-
+# Toy code in the shape of the released worker's clean-up (written for this test).
 def _worker(self: Any, queue: list[int]) -> None:
     for room in queue:
         self.done.append(room)
@@ -52,13 +34,6 @@ def _worker(self: Any, queue: list[int]) -> None:
                 if key[0] == room:
                     self.ctx.prefetch_requested.discard(key)
             self.ctx.prefetched_rooms.discard(room)  # the other order: still one site
-
-
-def _two_sites(ctx: Any, room: int) -> None:
-    ctx.prefetched_rooms.discard(room)
-    ctx.prefetch_requested = {k for k in ctx.prefetch_requested if k[0] != room}
-    ctx.prefetched_rooms.discard(room)
-    ctx.prefetch_requested = {k for k in ctx.prefetch_requested if k[0] != room}
 
 
 def _no_site(ctx: Any, room: int) -> None:
