@@ -60,7 +60,8 @@ mutants: $(STAMP)
 
 # Released SGLang as a client (not part of `make test`): a venv per release in build/sglang/
 # (tools/sglang/requirements-<release>.lock, installed --no-deps; torch, nixl and the tools come
-# from .venv through a .pth file), then tests/sglang in each. SGLANG_ARGS=--release 0.5.23 runs
+# from .venv through a .pth file), our built wheel installed into it as a user would (SGLang's
+# own load_plugins() applies the plugin, no source patch), then tests/sglang in each. SGLANG_ARGS=--release 0.5.23 runs
 # one; --runs N sets the threaded runs per configuration (default 100); --rebuild remakes them.
 sglang: $(STAMP)
 	$(PY) -m tools.sglang $(SGLANG_ARGS)

@@ -95,6 +95,7 @@ class CompatStats:
     ``refused_late_writes`` counts every refused ``add`` (a room among the tombstones);
     ``tombstones`` is how many purged ids are remembered now, at most
     ``tombstone_capacity``; ``reopens`` counts :meth:`CompatStagingContext.reopen_room`
+    and :meth:`CompatStagingContext.lift_tombstone`
     calls that lifted a tombstone or dropped leftover state.
     """
 
@@ -537,6 +538,15 @@ class _CompatCore(StagingContext):
             if lifted or result.was_open:
                 self._reopens += 1
             return result
+
+    def lift(self, room: int) -> bool:
+        """Lift the room's tombstone, dropping nothing (a tombstoned id is never open, so a
+        live room is never touched). Write lock; atomic; never times out."""
+        with self._lock.write_untimed():
+            lifted = self._tombstones.pop(room, None) is not None
+            if lifted:
+                self._reopens += 1
+            return lifted
 
     def compat_stats(self) -> CompatStats:
         """Counters under one read lock."""
@@ -1121,6 +1131,23 @@ class CompatStagingContext:
             TypeError, ValueError: ``room`` is not an integer >= 0.
         """
         return self._core.reopen(_room_id(room))
+
+    def lift_tombstone(self, room: int) -> bool:
+        """A new request starts with the id ``room`` and a request with that id may still be
+        live: lift the id's tombstone, if it has one, and drop nothing. Returns whether a
+        tombstone was lifted.
+
+        Unlike :meth:`reopen_room` it never drops keys: an id that is open (a live request
+        holds keys or the prefetched mark) has no tombstone, so a duplicate id arriving while
+        the first request is live leaves every key of the first as it is. Use it where an
+        engine cannot tell a reused id from a live duplicate (the SGLang plugin calls it when
+        a sender is made; ``docs/ADOPTING.md``). Thread-safe; write lock; atomic; never times
+        out.
+
+        Raises:
+            TypeError, ValueError: ``room`` is not an integer >= 0.
+        """
+        return self._core.lift(_room_id(room))
 
     def purge_session(self, session_id: str) -> frozenset[int]:
         """Drop a dead decode peer's keys from every room; return the rooms that had any

@@ -1,6 +1,9 @@
-"""The machinery of ``make sglang`` on its own, without SGLang (runs in the normal suite):
-the syntax-tree patch on toy code of ours shaped like the two upstream forms, the dataclass
-routes, the torchvision stub, and the runner's verdict for a release it cannot install."""
+"""The machinery of ``make sglang`` and the SGLang plugin on their own, without SGLang (runs
+in the normal suite): the worker-block lifting on toy code of ours shaped like the upstream
+forms, the plugin's staging class on a toy dataclass, the plugin where SGLang is missing
+(one WARNING, nothing registered, ``--check`` exit 1) and without torch/nixl/sglang
+importable, ``lift_tombstone``, the torchvision stub, and the runner's verdict for a
+release it cannot install."""
 
 from __future__ import annotations
 
@@ -8,36 +11,21 @@ import dataclasses
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from staging import CompatStagingContext
+from staging.sglang import hooks, plugin
+from staging.sglang.releases import RELEASES
 from tools.sglang import adopt, torchvision_stub, venvs
 
 pytestmark = pytest.mark.timeout(120)
 
 
-# Toy code in the two shapes the adopter change recognises (written for this test).
-class _Base:
-    def clear(self) -> None:
-        self.base_cleared = True
-
-
-class _RebuildingSender(_Base):
-    def __init__(self, ctx: Any, room: int) -> None:
-        self.ctx, self.room = ctx, room
-
-    def clear(self) -> None:
-        super().clear()
-        if self.ctx is not None:
-            self.ctx.prefetched_rooms.discard(self.room)
-            self.ctx.prefetch_requested = {
-                k for k in self.ctx.prefetch_requested if k[0] != self.room
-            }
-
-
+# Toy code in the shape of the released worker's clean-up (written for this test).
 def _worker(self: Any, queue: list[int]) -> None:
     for room in queue:
         self.done.append(room)
@@ -46,13 +34,6 @@ def _worker(self: Any, queue: list[int]) -> None:
                 if key[0] == room:
                     self.ctx.prefetch_requested.discard(key)
             self.ctx.prefetched_rooms.discard(room)  # the other order: still one site
-
-
-def _two_sites(ctx: Any, room: int) -> None:
-    ctx.prefetched_rooms.discard(room)
-    ctx.prefetch_requested = {k for k in ctx.prefetch_requested if k[0] != room}
-    ctx.prefetched_rooms.discard(room)
-    ctx.prefetch_requested = {k for k in ctx.prefetch_requested if k[0] != room}
 
 
 def _no_site(ctx: Any, room: int) -> None:
@@ -66,23 +47,6 @@ def _filled() -> CompatStagingContext:
     return ctx
 
 
-def test_patch_purge_replaces_the_rebuild_and_keeps_super() -> None:
-    sender = _RebuildingSender(_filled(), 1)
-    with pytest.raises(TypeError, match="purge_room"):
-        sender.clear()  # as written: the view refuses the rebind
-    patched, rec = adopt.patch_purge(_RebuildingSender.__dict__["clear"], _RebuildingSender)
-    patched(sender)
-    assert sender.base_cleared  # super() still reaches the base class
-    assert sender.ctx.prefetch_requested.snapshot() == {(2, 0, "s")}
-    assert sender.ctx.prefetched_rooms.snapshot() == {2}
-    assert sender.ctx.stats().tombstones == 1  # it went through purge_room
-    first = _RebuildingSender.clear.__code__.co_firstlineno
-    assert rec.first_line == first + 3 and rec.last_line > rec.first_line
-    assert rec.lines_removed == rec.last_line - rec.first_line + 1 and rec.lines_added == 1
-    assert "set comprehension" in rec.replaced
-    assert rec.function == "_RebuildingSender.clear"
-
-
 def test_purge_block_lifts_the_worker_block_as_is_or_adopted() -> None:
     for adopted in (False, True):
         block, rec = adopt.purge_block(_worker, ("self", "room"), adopted=adopted)
@@ -94,16 +58,9 @@ def test_purge_block_lifts_the_worker_block_as_is_or_adopted() -> None:
         assert "list(prefetch_requested)" in rec.replaced and rec.lines_removed == 4
 
 
-def test_patch_refuses_code_of_another_shape() -> None:
-    with pytest.raises(adopt.AdoptionError, match="found 2"):
-        adopt.patch_purge(_two_sites, None)
-    with pytest.raises(adopt.AdoptionError, match="found 0"):
-        adopt.patch_purge(_no_site, None)
+def test_purge_block_refuses_code_of_another_shape() -> None:
     with pytest.raises(adopt.AdoptionError, match="found 0"):
         adopt.purge_block(_no_site, ("ctx", "room"), adopted=True)
-    with pytest.raises(adopt.AdoptionError):
-        adopt.find_purge_owner(_Base, "clear")
-    assert adopt.find_purge_owner(_RebuildingSender, "clear") is _RebuildingSender
 
 
 @dataclasses.dataclass
@@ -115,29 +72,86 @@ class _Upstreamish:
     sockets: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-@pytest.mark.parametrize("route", adopt.ROUTES)
-def test_compat_dataclass_routes(route: str) -> None:
-    cls = adopt.compat_dataclass(_Upstreamish, route, tombstones=8)
+def test_plugin_staging_class_on_a_toy_dataclass() -> None:
+    cls = hooks.staging_class(_Upstreamish)
     assert cls.__name__ == "_Upstreamish" and dataclasses.is_dataclass(cls)
+    assert cls.__module__ == _Upstreamish.__module__
     a, b = cls(), cls()
     names = [f.name for f in dataclasses.fields(cls)]
-    assert "prefetch_requested" not in names and "prefetched_rooms" not in names
+    assert names == ["buffers", "cv", "sockets"]
     assert a == a and a != b  # each has its own Condition, compared by identity
     a.prefetch_requested.add((1, 0, "s"))
     a.prefetch_requested |= {(1, 1, "s")}  # in place: stored back, accepted
     a.prefetched_rooms.add(1)
     with pytest.raises(TypeError, match="purge_room"):
         a.prefetch_requested = set()
-    assert "prefetch_requested" not in repr(a).split("staging=")[0]
     assert a.purge_room(1).requests == {(0, "s"), (1, "s")}
     assert not a.prefetch_requested and not b.prefetch_requested
-    assert isinstance(a, CompatStagingContext) is (route == "subclass")
-    ctx = a if route == "subclass" else a.staging
-    assert ctx.stats().tombstone_capacity == 8
+    assert isinstance(a, CompatStagingContext)
     with pytest.raises(ValueError):
-        adopt.compat_dataclass(_Upstreamish, "mixin")
-    with pytest.raises(adopt.AdoptionError):
-        adopt.compat_dataclass(CompatStagingContext, route)
+        hooks.staging_class(CompatStagingContext)
+
+
+def test_lift_tombstone_drops_nothing_reopen_room_does() -> None:
+    ctx = _filled()
+    assert ctx.lift_tombstone(1) is False  # live: no tombstone, keys kept
+    assert {k for k in ctx.prefetch_requested if k[0] == 1} == {(1, 0, "s"), (1, 1, "s")}
+    ctx.purge_room(1)
+    ctx.prefetch_requested.add((1, 5, "s"))  # a late write: refused
+    assert (1, 5, "s") not in ctx.prefetch_requested
+    assert ctx.lift_tombstone(1) is True and ctx.lift_tombstone(1) is False
+    ctx.prefetch_requested.add((1, 5, "s"))  # a new request's write: accepted
+    assert (1, 5, "s") in ctx.prefetch_requested and ctx.stats().reopens == 1
+    ctx.reopen_room(1)  # the other call drops what a live id holds
+    assert (1, 5, "s") not in ctx.prefetch_requested
+
+
+_NO_SGLANG = """
+import sys
+for name in ("sglang", "torch", "nixl", "numpy"):
+    sys.modules[name] = None  # importing any of them raises ImportError
+import logging
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+import staging.sglang.plugin as ours
+ours.installed_release = lambda: None if len(sys.argv) < 2 else sys.argv[1]
+import staging.sglang
+result = staging.sglang.register()
+assert not result.applies and not result.hooks
+from staging.sglang.__main__ import main
+raise SystemExit(main(["--check"]))
+"""
+
+
+@pytest.mark.parametrize("release", [None, "0.5.23"], ids=["not installed", "unimportable"])
+def test_plugin_without_sglang_registers_nothing_and_says_so(release: str | None) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_SGLANG, *([release] if release else [])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    warnings = [x for x in done.stderr.splitlines() if x.startswith("WARNING staging.sglang")]
+    assert len(warnings) == 1, done.stderr
+    assert "0.5.21, 0.5.23" in warnings[0]
+    if release:  # the release is in the table but its first target cannot be imported
+        assert "missing target sglang.srt.disaggregation" in warnings[0]
+    else:
+        assert "not installed" in warnings[0]
+    assert "does NOT apply" in done.stdout
+
+
+def test_the_entry_point_is_declared() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    group = project["project"]["entry-points"]["sglang.srt.plugins"]
+    assert group == {"nixl_staging": "staging.sglang:register"}
+    assert plugin.ENTRY_POINT == "nixl_staging"
+    for targets in RELEASES.values():
+        assert all(len(t.fingerprint) == 16 for t in targets)
+        assert {t.hook_type for t in targets} <= {"REPLACE", "AROUND", "AFTER", None}
 
 
 def test_torchvision_stub_imports_and_tolerates_reads(tmp_path: Path) -> None:
@@ -188,3 +202,99 @@ def test_every_release_has_a_lock_pinning_itself() -> None:
         assert all("==" in pin for pin in pins), pins
         names = {pin.split("==")[0].lower() for pin in pins}
         assert not names & {"torch", "nixl", "numpy", "torchvision"}, "these come from .venv"
+
+
+# Toy senders in the two released shapes of clear() (written for this test): the staging
+# drop in the middle of the body, as a rebind (0.5.21) or a list() walk (0.5.23).
+class _ToyManager:
+    def __init__(self, ctx: Any, deferred: object | None = None) -> None:
+        self._staging_ctx = ctx
+        self.enable_staging = True
+        self.deferred_bootstrap = deferred
+        self.request_status = {1: "x", 2: "y"}
+        self.walked = 0
+
+    def note(self, room: int) -> None:
+        self.request_status.pop(room, None)
+
+
+class _ToyRebinding:
+    def __init__(self, mgr: _ToyManager, room: int, owns: bool = True) -> None:
+        self.kv_mgr, self.bootstrap_room, self._owns_bootstrap_room = mgr, room, owns
+        self.conclude_state = None
+
+    def clear(self) -> None:
+        if self.kv_mgr.deferred_bootstrap is not None and not self._owns_bootstrap_room:
+            return
+        self.kv_mgr.note(self.bootstrap_room)  # a method: bound to the real manager
+        ctx = self.kv_mgr._staging_ctx
+        if ctx is not None:
+            ctx.prefetched_rooms.discard(self.bootstrap_room)
+            ctx.prefetch_requested = {
+                k for k in ctx.prefetch_requested if k[0] != self.bootstrap_room
+            }
+
+
+class _ToyWalking(_ToyRebinding):
+    def clear(self) -> None:
+        if self.kv_mgr.deferred_bootstrap is not None and not self._owns_bootstrap_room:
+            return
+        self.kv_mgr.request_status.pop(self.bootstrap_room, None)
+        ctx = self.kv_mgr._staging_ctx
+        if ctx is not None:
+            ctx.prefetched_rooms.discard(self.bootstrap_room)
+            for key in list(ctx.prefetch_requested):
+                self.kv_mgr.walked += 1
+                if key[0] == self.bootstrap_room:
+                    ctx.prefetch_requested.discard(key)
+
+
+@pytest.mark.parametrize("shape", [_ToyRebinding, _ToyWalking], ids=["rebind", "walk"])
+def test_clear_hook_purges_once_and_skips_the_released_drop(shape: type) -> None:
+    hook = hooks.purge_then_clear()
+    mgr = _ToyManager(_filled())
+    sender = shape(mgr, 1)
+    hook(shape.clear, sender)
+    ctx = mgr._staging_ctx
+    assert ctx.prefetch_requested.snapshot() == {(2, 0, "s")}
+    assert ctx.prefetched_rooms.snapshot() == {2}
+    assert ctx.stats().tombstones == 1 and mgr.walked == 0  # the released drop did not run
+    assert mgr.request_status == {2: "y"}  # the rest of the released body did
+    assert sender.kv_mgr is mgr  # put back
+    # Bare sets (the plugin's class not in place): the released clear() as it is.
+    bare = _ToyManager(
+        types.SimpleNamespace(prefetch_requested={(1, 0, "s")}, prefetched_rooms={1})
+    )
+    hook(shape.clear, shape(bare, 1))
+    assert not bare._staging_ctx.prefetch_requested and not bare._staging_ctx.prefetched_rooms
+
+
+def test_clear_hook_leaves_a_duplicates_room_and_restores_on_error() -> None:
+    hook = hooks.purge_then_clear()
+    mgr = _ToyManager(_filled(), deferred=object())
+    hook(_ToyWalking.clear, _ToyWalking(mgr, 1, owns=False))  # a duplicate (0.5.23)
+    assert len(mgr._staging_ctx.prefetch_requested) == 3  # the live first's keys stay
+
+    def failing(self: Any) -> None:
+        assert self.kv_mgr._staging_ctx is None and self.kv_mgr.request_status
+        raise RuntimeError("released clear() failed")
+
+    sender = _ToyWalking(mgr, 1)
+    with pytest.raises(RuntimeError):
+        hook(failing, sender)
+    assert sender.kv_mgr is mgr and mgr._staging_ctx.stats().tombstones == 1
+
+
+def test_lift_hook_lifts_only_for_a_new_owner() -> None:
+    hook = hooks.lift_on_new_sender()
+    mgr = _ToyManager(_filled())
+    mgr._staging_ctx.purge_room(1)
+    dup = _ToyWalking(mgr, 1, owns=False)
+    hook(None, dup)
+    failed = _ToyWalking(mgr, 1)
+    failed.conclude_state = "Failed"
+    hook(None, failed)
+    assert mgr._staging_ctx.stats().tombstones == 1  # neither lifted it
+    hook(None, _ToyWalking(mgr, 1))
+    assert mgr._staging_ctx.stats().tombstones == 0
+    hook(None, _ToyWalking(mgr, None))  # type: ignore[arg-type]  # no id: nothing, no raise

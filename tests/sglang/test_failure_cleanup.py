@@ -2,13 +2,14 @@
 
 The scenario of SGLang's own unit test (``failure_exception()`` purges the failed room's
 per-room tables and its staging state before it raises, and leaves other rooms alone),
-written here in our own words against the installed release, for the released code on
-bare sets and for the adopter change on ours (both dataclass routes). The rooms' staging
+written here in our own words against the installed release, with the plugin off (the
+released code on bare sets) and on (what SGLang's ``load_plugins()`` left). The rooms' staging
 state is made by upstream's own prefetch path, not by hand.
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -24,16 +25,7 @@ ROOM, OTHER = 7, 8
 # empty; only those the release has (0.5.23 has no `exceptions` table: it keeps reasons).
 TABLES = ("request_status", "req_to_decode_prefix_len", "transfer_infos", "failure_records")
 
-CONFIGS = {
-    "released, bare sets": {"context": "bare", "clear": False, "worker": False},
-    "adopted, subclass": {"context": "compat", "clear": True, "worker": True},
-    "adopted, composition": {
-        "context": "compat",
-        "clear": True,
-        "worker": True,
-        "route": "composition",
-    },
-}
+CONFIGS = {"plugin off": False, "plugin on": True}
 
 
 def _failed_room(up: drive.Upstream, side: drive.Prefill) -> tuple[object, object, Exception]:
@@ -55,7 +47,7 @@ def _failed_room(up: drive.Upstream, side: drive.Prefill) -> tuple[object, objec
 def test_failure_exception_purges_the_room_and_only_it(
     up: drive.Upstream, sink: drive.StagingRequests, figures: list[str], config: str
 ) -> None:
-    how = drive.adoption(up, **CONFIGS[config])  # type: ignore[arg-type]
+    how = drive.adoption(up, plugin=CONFIGS[config])
     with drive.installed(up, how):
         side = drive.Prefill(up, how, sink)
         sender, _, error = _failed_room(up, side)
@@ -91,81 +83,46 @@ def _raises_stored_error(up: drive.Upstream) -> bool:
     return "kv_mgr.exceptions" in inspect.getsource(owner.__dict__["failure_exception"])
 
 
-def test_released_clear_on_our_context_needs_the_change(
+def test_released_clear_on_our_context_needs_the_hook(
     up: drive.Upstream, sink: drive.StagingRequests, figures: list[str]
 ) -> None:
-    """Our dataclass under the released clear(): 0.5.21 rebinds prefetch_requested, which
-    the context refuses with a TypeError naming purge_room (so the clear() change is needed);
-    0.5.23's clear() only discards (it works unchanged, but leaves no tombstone)."""
-    how = drive.adoption(up, context="compat", clear=False, worker=False)
+    """Our context under the released clear() (the plugin's class applied without its
+    clear() hook): 0.5.21 rebinds prefetch_requested, which the context refuses with a
+    TypeError naming purge_room (so the hook is needed, and the plugin registers all of its
+    hooks or none); 0.5.23's clear() only discards (it works, but leaves no tombstone)."""
+    how = drive.adoption(up, plugin=False, staging_class=up.staging_class)
     with drive.installed(up, how):
         side = drive.Prefill(up, how, sink)
         sender, _, _ = _failed_room(up, side)
-        rebinds = "prefetch_requested =" in _clear_source(how)
+        rebinds = any(
+            n == "clear" and "prefetch_requested =" in inspect.getsource(fn)
+            for _, n, fn in up.released
+        )
         if rebinds:
             with pytest.raises(TypeError, match="purge_room"):
                 sender.clear()  # type: ignore[attr-defined]
-            verdict = "released clear() rebinds: refused with TypeError -> clear() must change"
+            verdict = "released clear() rebinds: refused with TypeError -> the hook is needed"
         else:
             sender.clear()  # type: ignore[attr-defined]
             assert {k[0] for k in side.staged()} == {OTHER}
             assert side.compat.stats().tombstones == 0  # no purge_room: no tombstone
-            verdict = "released clear() only discards: works unchanged, no tombstone"
+            verdict = "released clear() only discards: works unhooked, no tombstone"
     sink.drain(0.05)
     figures.append(f"our context under the released clear(): {verdict}")
 
 
-def _clear_source(how: drive.Adoption) -> str:
-    import inspect
+def test_plugin_targets_are_what_the_docs_say(up: drive.Upstream, figures: list[str]) -> None:
+    """docs/ADOPTING.md names, for this release, every target the plugin hooks, with its
+    hook type, and the line the plugin logs; and load_plugins() logged exactly that line."""
+    from staging.sglang.releases import RELEASES
 
-    return inspect.getsource(how.clear_owner.__dict__["clear"])
-
-
-def test_adopter_change_is_what_the_docs_say(up: drive.Upstream, figures: list[str]) -> None:
-    """The replaced statements, as CI applies them to this release, are the ones
-    docs/ADOPTING.md lists for it (file, function, line range), and so are the dataclass
-    lines: the doc is checked against the installed code, statement for statement."""
     doc = " ".join(ADOPTING.read_text(encoding="utf-8").split())
-    how = drive.adoption(up, context="compat", clear=True, worker=True)
-    clear_rec, worker_rec = how.replacements
-    assert clear_rec.function.endswith(".clear") and worker_rec.function.endswith(
-        ".transfer_worker"
+    for target in RELEASES[up.version]:
+        if target.hook is not None:
+            row = f"| {up.version} | `{target.path}` | {target.hook_type} |"
+            assert row in doc, f"docs/ADOPTING.md has no row {row!r}"
+    infos = [r.getMessage() for r in up.plugin_log if r.levelname == "INFO"]
+    assert len(infos) == 1 and infos[0].startswith(
+        f"nixl-staging plugin applied to sglang {up.version}"
     )
-    row = (
-        f"| {up.version} | `{clear_rec.file}` | `{clear_rec.function}` | "
-        f"{clear_rec.first_line}\u2013{clear_rec.last_line}:"
-    )
-    assert row in doc, f"docs/ADOPTING.md has no row {row!r}"
-    worker = f"{up.version} lines {worker_rec.first_line}\u2013{worker_rec.last_line}"
-    assert (
-        worker in doc
-        and "`NixlKVManager.transfer_worker` in `sglang/srt/disaggregation/nixl/conn.py`" in doc
-    )
-    class_line, first, last = _dataclass_lines(up)
-    assert f"{up.version} line {class_line}" in doc
-    assert f"{up.version} lines {first}\u2013{last}" in doc
-    for rec in how.replacements:
-        assert rec.lines_added == 1 and rec.lines_removed >= 2
-        figures.append(f"adopter change: {rec.describe()}")
-    fields = list(how.staging_class.__dataclass_fields__)
-    assert "prefetched_rooms" not in fields and "prefetch_requested" not in fields
-    figures.append(
-        f"adopter change: sglang/srt/disaggregation/common/staging_handler.py line {class_line} "
-        f"(class PrefillStagingContext gets the base CompatStagingContext), lines {first}-{last} "
-        f"(the two set fields and their comments) deleted; kept fields {fields}"
-    )
-
-
-def _dataclass_lines(up: drive.Upstream) -> tuple[int, int, int]:
-    """The line of ``class PrefillStagingContext``, and the range from the comment above its
-    ``prefetch_requested`` field to its ``prefetched_rooms`` field, in the installed file."""
-    import inspect
-
-    lines, start = inspect.getsourcelines(up.staging_class)
-    numbered = list(enumerate(lines, start))
-    class_line = next(n for n, text in numbered if text.startswith("class "))
-    first = next(n for n, text in numbered if text.strip().startswith("prefetch_requested:"))
-    while lines[first - 1 - start].strip().startswith("#"):
-        first -= 1
-    last = next(n for n, text in numbered if text.strip().startswith("prefetched_rooms:"))
-    return class_line, first, last
+    assert "nixl-staging plugin applied to sglang <release>: " in doc

@@ -10,13 +10,19 @@
   statement is the staging prefetch. On bare sets the room comes back into
   ``prefetched_rooms`` and stays there for good (its transfer info is gone, so nothing will
   clear it again); on ours the write is refused, counted and logged.
-* **A reused id** (a new request with the id of a cleared one): refused like a late writer
-  unless the adopter's optional ``reopen_room`` line runs where the request is admitted;
-  refused, upstream's prefetch re-sends its ``STAGING_REQ`` messages on every call.
+* **Reused and duplicate ids**, on senders made by upstream's own constructor (which the
+  plugin hooks): a new request with the id of a cleared one is accepted (its tombstone is
+  lifted where the sender is made; without that, upstream's prefetch would re-send its
+  ``STAGING_REQ`` messages on every call), and a duplicate id arriving while the first
+  request is live loses none of the first's keys (nothing is dropped at construction; on
+  0.5.23 with deferred bootstrap the duplicate is also told apart and its ``clear()``
+  leaves the room alone). A planted ``reopen_room`` at construction -- the placement that
+  drops what the id holds -- is shown to lose the first's keys.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import random
 import statistics
@@ -33,8 +39,8 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("scheduled")]
 
 SIZES = (1_000, 10_000, 100_000)
 ROUNDS = {1_000: 9, 10_000: 7, 100_000: 5}
-BARE = {"context": "bare", "clear": False, "worker": False}
-OURS = {"context": "compat", "clear": True, "worker": True}
+BARE = {"plugin": False}
+OURS = {"plugin": True}
 
 
 def _filled(
@@ -79,14 +85,15 @@ def test_purge_cost_side_by_side(
             order = [("bare", bare_side, bare_how), ("ours", ours_side, ours_how)]
             rng.shuffle(order)
             for name, side, how in order:
-                times[name].append(_timed_clear(side, 1 + i, how.clear))
+                with drive.installed(up, how):
+                    times[name].append(_timed_clear(side, 1 + i, how.clear))
         live = size * drive.CHUNKS
         assert len(bare_side.staged()) == len(ours_side.staged()) == live  # only the room went
         bare_us = statistics.median(times["bare"]) / 1e3
         ours_us = statistics.median(times["ours"]) / 1e3
         figures.append(
-            f"purge cost [{size:,} live rooms x {drive.CHUNKS} keys]: released clear() "
-            f"{bare_us:,.1f} us, adopted clear() {ours_us:,.1f} us, ratio "
+            f"purge cost [{size:,} live rooms x {drive.CHUNKS} keys]: plugin off clear() "
+            f"{bare_us:,.1f} us, plugin on clear() {ours_us:,.1f} us, ratio "
             f"{bare_us / max(ours_us, 1e-3):,.0f}x (medians of {ROUNDS[size]}, thread CPU time, "
             "not asserted)"
         )
@@ -106,7 +113,8 @@ def test_late_prefetch_after_clear_is_refused_on_ours(
         sender = side.admit(room)
         side.prefetch(room)
         assert room in side.marked() and len(side.staged()) == drive.CHUNKS
-        how.clear(sender)
+        with drive.installed(up, how):
+            how.clear(sender)
         assert not side.staged() and not side.marked()
         errors: list[BaseException] = []
 
@@ -137,33 +145,83 @@ def test_late_prefetch_after_clear_is_refused_on_ours(
     )
 
 
-def test_reused_id_needs_reopen_room(
+def _keys(side: drive.Prefill, room: int) -> int:
+    return sum(1 for k in side.staged() if k[0] == room) + (room in side.marked())
+
+
+def test_reused_and_duplicate_ids(
     up: drive.Upstream, sink: drive.StagingRequests, figures: list[str]
 ) -> None:
     room = 515151
-    sent: dict[str, int] = {}
-    for name, cfg, reopen in (
-        ("bare", BARE, False),
-        ("ours, no reopen_room", OURS, False),
-        ("ours, reopen_room at admission", OURS, True),
-    ):
+    held = drive.CHUNKS + 1  # the first request's keys and its prefetched mark
+    seen: dict[str, str] = {}
+    for name, cfg in (("plugin off", BARE), ("plugin on", OURS)):
         how = drive.adoption(up, **cfg)
-        side = drive.Prefill(up, how, sink)
-        how.clear(side.admit(room))  # an earlier request with this id, cleared
-        sink.drain(0.2)
-        side.admit(room, reopen=reopen)  # the new request reuses the id
-        side.prefetch(room)  # two chunks of it: the prefetch runs for each
-        side.prefetch(room)
-        sent[name] = sink.drain().get(room, 0)
-        recorded = len(side.staged())
-        if name == "ours, no reopen_room":
-            assert recorded == 0 and room not in side.marked()
-            assert side.compat.stats().refused_late_writes == 2 * (drive.CHUNKS + 1)
-        else:
-            assert recorded == drive.CHUNKS and room in side.marked()
-    assert sent["bare"] == sent["ours, reopen_room at admission"] == drive.CHUNKS
-    assert sent["ours, no reopen_room"] == 2 * drive.CHUNKS  # re-sent: nothing was recorded
+        with drive.installed(up, how):
+            side = drive.Prefill(up, how, sink)
+            first = side.construct(room)  # upstream's constructor: a new request
+            side.prefetch(room)
+            assert _keys(side, room) == held
+            sink.drain(0.2)
+            side.construct(room)  # a duplicate id while the first is live
+            lost_to_duplicate = held - _keys(side, room)
+            assert lost_to_duplicate == 0, f"{name}: the duplicate dropped the first's keys"
+            how.clear(first)  # the first request ends: purged (tombstoned with the plugin)
+            assert _keys(side, room) == 0
+            side.construct(room)  # a NEW request reuses the id
+            side.prefetch(room)  # two chunks of it: the prefetch runs for each
+            side.prefetch(room)
+            sent = sink.drain().get(room, 0)
+            assert _keys(side, room) == held, f"{name}: the reused id's keys were refused"
+            assert sent == drive.CHUNKS, f"{name}: {sent} STAGING_REQ for {drive.CHUNKS} chunks"
+            if how.plugin:
+                stats = side.compat.stats()
+                assert stats.refused_late_writes == 0 and stats.reopens == 1
+        seen[name] = f"duplicate lost {lost_to_duplicate} of {held}, reused id sent {sent}"
+    # PLANTED: the placement the issue warns of, reopen_room (drops what the id holds) where
+    # the duplicate's sender is made: the first's keys go. The check above would catch it.
+    how = drive.adoption(up, plugin=True)
+    side = drive.Prefill(up, how, sink)
+    side.construct(room)
+    side.prefetch(room)
+    side.construct(room)
+    side.compat.reopen_room(room)
+    planted_lost = held - _keys(side, room)
+    assert planted_lost == held
+    sink.drain(0.05)
     figures.append(
-        "reused id: STAGING_REQ messages for 2 prefetch calls: "
-        + ", ".join(f"{k} {v}" for k, v in sent.items())
+        "reused/duplicate ids (upstream's constructor): "
+        + "; ".join(f"{k}: {v}" for k, v in seen.items())
+        + f"; planted reopen_room at construction: duplicate lost {planted_lost} of {held}"
+    )
+
+
+def test_duplicate_room_with_deferred_bootstrap(
+    up: drive.Upstream, sink: drive.StagingRequests, figures: list[str]
+) -> None:
+    """0.5.23's deferred bootstrap tells a duplicate apart (its constructor returns early,
+    not owning the room): with the plugin, neither its constructor nor its clear() touches
+    the live first request's keys; the first's clear() then purges them."""
+    try:
+        bootstrap = importlib.import_module("sglang.srt.disaggregation.common.bootstrap")
+    except ImportError:
+        pytest.skip(f"sglang {up.version} has no deferred bootstrap")
+    room = 616161
+    how = drive.adoption(up, plugin=True)
+    side = drive.Prefill(up, how, sink)
+    side.mgr.deferred_bootstrap = bootstrap.DeferredBootstrap(60.0)
+    first = side.construct(room)
+    side.prefetch(room)
+    held = _keys(side, room)
+    duplicate = side.construct(room)
+    assert duplicate._owns_bootstrap_room is False
+    assert duplicate.conclude_state == up.kv_poll.Failed
+    duplicate.clear()
+    assert _keys(side, room) == held == drive.CHUNKS + 1
+    first.clear()
+    assert _keys(side, room) == 0 and side.compat.stats().tombstones == 1
+    sink.drain(0.05)
+    figures.append(
+        "duplicate room, deferred bootstrap (plugin on): the duplicate's constructor and "
+        f"clear() left the first's {held} keys; the first's clear() purged them"
     )

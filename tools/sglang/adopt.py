@@ -1,28 +1,16 @@
-"""The adopter change, applied at test time to the *installed* SGLang modules.
+"""Lift the released transfer worker's staging clean-up out of the installed SGLang, to run it.
 
-Nothing of SGLang's source is kept in this repository. At test time this module reads the
-source of the installed functions (``inspect``), finds the statements it changes by their
-shape in the syntax tree, and compiles a changed copy into the installed module's own
-namespace (so the copy runs with upstream's globals, and ``super()`` still works). What it
-changes is exactly what ``docs/ADOPTING.md`` tells an adopter to change:
+The test harness (:mod:`tools.sglang.drive`) runs upstream's worker clean-up block in its
+worker threads; the rest of ``NixlKVManager.transfer_worker`` needs GPUs and a decode peer.
+:func:`purge_block` finds, in the installed function's syntax tree (``inspect``), the one
+``if`` block holding the staging purge pair (``<ctx>.prefetched_rooms.discard(<room>)`` next
+to a rebuild or a ``for k in list(<ctx>.prefetch_requested): ... .discard(k)`` loop) and
+compiles it on its own, in the installed module's namespace, as released (or, for a
+comparison, with the pair as ``<ctx>.purge_room(<room>)``). No SGLang source is kept here.
 
-* **The staging purge** -- the pair of statements that drop one room from the two sets
-  (``<ctx>.prefetched_rooms.discard(<room>)`` next to either a rebuild
-  ``<ctx>.prefetch_requested = {... comprehension ...}`` or a loop
-  ``for k in list(<ctx>.prefetch_requested): ... .discard(k)``) -- becomes the one
-  statement ``<ctx>.purge_room(<room>)``. :func:`patch_purge` does it to a whole function
-  (the sender's ``clear()``); :func:`purge_block` lifts the ``if`` block that holds the pair
-  out of a longer function (the transfer worker) so that it can run on its own, as released
-  or changed.
-* **The staging dataclass** -- :func:`compat_dataclass` makes the replacement for
-  ``PrefillStagingContext``: the same dataclass fields minus the two sets, on top of
-  :class:`~staging.compat.CompatStagingContext` (the "subclass" route) or holding one (the
-  "composition" route).
-
-Each change reports what it replaced (:class:`Replacement`: file, function, line range), so
-that CI prints, per release, which upstream lines the adopter touches. A release whose code
-no longer has the shape raises :class:`AdoptionError`, which fails the run: nothing is
-skipped silently.
+Adoption itself is the plugin's (:mod:`staging.sglang`): this module no longer patches
+``clear()`` or builds the staging dataclass (the retired source-patch route); a release
+whose worker has another shape raises :class:`AdoptionError`, which fails the run.
 """
 
 from __future__ import annotations
@@ -35,12 +23,6 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from staging.compat import CompatStagingContext
-from staging.context import RoomPurge
-
-VIEWS = ("prefetched_rooms", "prefetch_requested")
-ROUTES = ("subclass", "composition")
 
 
 class AdoptionError(Exception):
@@ -214,47 +196,6 @@ def _compile_function(
     return made
 
 
-def patch_purge(
-    fn: Callable[..., Any], owner: type | None
-) -> tuple[types.FunctionType, Replacement]:
-    """A copy of ``fn`` (an upstream function) with its one staging purge pair replaced by
-    ``<ctx>.purge_room(<room>)``; and the record of the replacement.
-
-    Raises:
-        AdoptionError: ``fn`` has no such pair, or more than one.
-    """
-    tree, filename, _, rel = _source(fn)
-    fndef = tree.body[0]
-    if not isinstance(fndef, ast.FunctionDef):
-        raise AdoptionError(f"{fn!r} is not a plain function")
-    sites = _find_sites(fndef)
-    if len(sites) != 1:
-        raise AdoptionError(
-            f"{rel} {fn.__qualname__}: expected one staging purge (discard of "
-            f"prefetched_rooms next to a purge of prefetch_requested), found {len(sites)}"
-        )
-    site = sites[0]
-    first, second = site.body[site.index], site.body[site.index + 1]
-    end = second.end_lineno or second.lineno
-    site.body[site.index : site.index + 2] = [_purge_stmt(site)]
-    func = getattr(fn, "__func__", fn)
-    patched = _compile_function(fndef, filename, func.__globals__, owner)
-    patched.__defaults__ = func.__defaults__
-    patched.__kwdefaults__ = func.__kwdefaults__
-    patched.__qualname__ = func.__qualname__
-    patched.__doc__ = func.__doc__
-    record = Replacement(
-        file=rel,
-        function=func.__qualname__,
-        first_line=first.lineno,
-        last_line=end,
-        lines_removed=end - first.lineno + 1,
-        lines_added=1,
-        replaced=site.how,
-    )
-    return patched, record
-
-
 def purge_block(
     fn: Callable[..., Any], params: tuple[str, ...], *, adopted: bool
 ) -> tuple[types.FunctionType, Replacement]:
@@ -315,119 +256,3 @@ def purge_block(
         replaced=site.how,
     )
     return made, record
-
-
-def find_purge_owner(cls: type, name: str) -> type:
-    """The class in ``cls``'s MRO whose own ``name`` method holds the staging purge.
-
-    Raises:
-        AdoptionError: none does.
-    """
-    for klass in cls.__mro__:
-        fn = klass.__dict__.get(name)
-        if fn is None:
-            continue
-        try:
-            tree, *_ = _source(fn)
-        except (OSError, TypeError):
-            continue
-        if _find_sites(tree):
-            return klass
-    raise AdoptionError(f"no {name}() in {cls.__name__}'s MRO holds the staging purge")
-
-
-# ---------------------------------------------------------------------- the dataclass
-
-
-def _field_copy(f: dataclasses.Field[Any]) -> tuple[str, Any, dataclasses.Field[Any]]:
-    kwargs: dict[str, Any] = {
-        "init": f.init,
-        "repr": f.repr,
-        "hash": f.hash,
-        "compare": f.compare,
-        "metadata": f.metadata,
-    }
-    if f.default is not dataclasses.MISSING:
-        kwargs["default"] = f.default
-    if f.default_factory is not dataclasses.MISSING:
-        kwargs["default_factory"] = f.default_factory
-    return f.name, f.type, dataclasses.field(**kwargs)
-
-
-def compat_dataclass(upstream: type, route: str, **context_kwargs: Any) -> type:
-    """The adopter's replacement for ``upstream`` (SGLang's ``PrefillStagingContext``): a
-    dataclass of the same name with the same fields except the two sets.
-
-    * ``"subclass"``: it subclasses :class:`CompatStagingContext`; its ``__post_init__``
-      initialises the context (``context_kwargs``), so ``ctx.prefetched_rooms`` and
-      ``ctx.prefetch_requested`` are the views and ``ctx.purge_room`` exists.
-    * ``"composition"``: it has one more field, ``staging`` (a :class:`CompatStagingContext`),
-      and read-only properties ``prefetched_rooms`` / ``prefetch_requested`` and a
-      ``purge_room`` method that forward to it (assigning a property raises ``TypeError``
-      naming ``purge_room``, as the subclass does).
-
-    Raises:
-        AdoptionError: ``upstream`` is not a dataclass with both set fields.
-        ValueError: unknown ``route``.
-    """
-    if not dataclasses.is_dataclass(upstream):
-        raise AdoptionError(f"{upstream!r} is not a dataclass")
-    names = [f.name for f in dataclasses.fields(upstream)]
-    missing = [v for v in VIEWS if v not in names]
-    if missing:
-        raise AdoptionError(f"{upstream.__name__} has no field {missing}")
-    kept = [_field_copy(f) for f in dataclasses.fields(upstream) if f.name not in VIEWS]
-    doc = f"{upstream.__name__} with its two staging sets on a CompatStagingContext ({route})."
-    if route == "subclass":
-
-        def __post_init__(self: CompatStagingContext) -> None:
-            CompatStagingContext.__init__(self, **context_kwargs)
-
-        made = dataclasses.make_dataclass(
-            upstream.__name__,
-            kept,
-            bases=(CompatStagingContext,),
-            namespace={"__post_init__": __post_init__, "__doc__": doc},
-        )
-        made.__module__ = upstream.__module__
-        return made
-    if route == "composition":
-        kept.append(
-            (
-                "staging",
-                CompatStagingContext,
-                dataclasses.field(default_factory=_factory(context_kwargs)),
-            )
-        )
-        namespace: dict[str, Any] = {"__doc__": doc}
-        for view in VIEWS:
-            namespace[view] = _forwarding_view(view)
-
-        def purge_room(self: Any, room: int) -> RoomPurge:
-            return self.staging.purge_room(room)  # type: ignore[no-any-return]
-
-        def reopen_room(self: Any, room: int) -> RoomPurge:
-            return self.staging.reopen_room(room)  # type: ignore[no-any-return]
-
-        namespace["purge_room"] = purge_room
-        namespace["reopen_room"] = reopen_room
-        made = dataclasses.make_dataclass(upstream.__name__, kept, namespace=namespace)
-        made.__module__ = upstream.__module__
-        return made
-    raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
-
-
-def _factory(kwargs: dict[str, Any]) -> Any:
-    """A default factory of a :class:`CompatStagingContext` (typed ``Any`` for
-    ``dataclasses.field``)."""
-    return lambda: CompatStagingContext(**kwargs)
-
-
-def _forwarding_view(view: str) -> property:
-    def get(self: Any) -> Any:
-        return getattr(self.staging, view)
-
-    def set_(self: Any, value: object) -> None:
-        setattr(self.staging, view, value)  # the context refuses a rebind (TypeError)
-
-    return property(get, set_, doc=f"``self.staging.{view}`` (a live view).")

@@ -1,22 +1,28 @@
 """Drive upstream SGLang's own staging code with threads, as its prefill side runs it.
 
-What runs is upstream's, from the installed wheel:
+What runs is upstream's, from the installed wheel, with or without our plugin:
 
+* :func:`load` imports the disaggregation modules, records the released objects the plugin
+  hooks (so that "plugin off" can be put back for a run, side by side), and then calls
+  SGLang's own ``load_plugins()``, which finds our installed wheel's entry point and applies
+  its hooks ("plugin on" is what that leaves; nothing of ours patches upstream code);
 * the scheduler's prefetch, ``NixlKVManager._prefetch_staging_reqs(room)`` (which calls the
   shared helper ``prefetch_staging_reqs`` and sends real ``STAGING_REQ`` messages over a real
   ZeroMQ PUSH socket that upstream opens itself, to a PULL socket of ours on loopback);
-* the sender's ``clear()`` and ``failure_exception()`` (``NixlKVSender``, or
+* the sender's constructor, ``clear()`` and ``failure_exception()`` (``NixlKVSender``, or
   ``CommonKVSender`` where the release moved them);
 * the transfer worker's room clean-up: the ``if`` block of ``NixlKVManager.transfer_worker``
-  that drops a finished room from the two sets, lifted out of that function by
-  :func:`tools.sglang.adopt.purge_block` (the rest of ``transfer_worker`` -- NIXL posting,
-  status bookkeeping -- is not run: it needs GPUs and a decode peer).
+  that drops a finished room from the two sets, lifted out of that function as released by
+  :func:`tools.sglang.adopt.purge_block` (the plugin does not change it; the rest of
+  ``transfer_worker`` -- NIXL posting, status bookkeeping -- is not run: it needs GPUs and a
+  decode peer).
 
-What is ours: the objects are made with ``__new__`` and given only the attributes that
+What is ours: the managers are made with ``__new__`` and given only the attributes that
 code reads (as upstream's own unit test does), request ids, the threads and queues that play
 scheduler and workers, and the runtime configuration: ``get_schedule()`` in the NIXL module
-is replaced by one that answers ``chunked_prefill_size`` (SGLang publishes it from its
-server arguments at launch; nothing else of it is read here).
+is replaced by one that answers ``chunked_prefill_size`` and ``get_parallel()`` in the common
+module by one with a single data-parallel rank (SGLang publishes both from its server
+arguments at launch; nothing else of them is read here).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import logging
 import queue
 import random
 import sys
@@ -46,118 +53,156 @@ JOIN_S = 60.0
 
 @dataclasses.dataclass
 class Upstream:
-    """The installed release's modules and classes."""
+    """The installed release's modules and classes, after SGLang's ``load_plugins()``."""
 
     version: str
     conn: types.ModuleType  # sglang.srt.disaggregation.nixl.conn
     common: types.ModuleType  # sglang.srt.disaggregation.common.conn
     handler: types.ModuleType  # sglang.srt.disaggregation.common.staging_handler
     kv_poll: Any
+    # (owner, attribute, released value) of every object the plugin's table hooks for this
+    # release, recorded before load_plugins() ran; empty for a release the plugin lacks.
+    released: list[tuple[Any, str, Any]] = dataclasses.field(default_factory=list)
+    released_staging_class: type | None = None
+    plugin_log: list[logging.LogRecord] = dataclasses.field(default_factory=list)
 
     @property
     def staging_class(self) -> type:
+        """The prefill staging class in effect (the plugin's, once it applied)."""
         return self.handler.PrefillStagingContext  # type: ignore[no-any-return]
 
 
-def load() -> Upstream:
-    """Import the installed SGLang's disaggregation modules (20-60 s on 2 cores).
+class _Collect(logging.Handler):
+    def __init__(self, into: list[logging.LogRecord]) -> None:
+        super().__init__(logging.DEBUG)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record)
+
+
+def load(*, plugins: bool = True) -> Upstream:
+    """Import the installed SGLang's disaggregation modules (20-60 s on 2 cores), record
+    the released objects the plugin hooks, then (``plugins``) run SGLang's own
+    ``load_plugins()``, collecting what the ``staging.sglang`` logger says.
 
     Raises:
         ImportError: SGLang (or a package of its import chain) is not installed.
     """
+    from staging.sglang import plugin as ours
+    from staging.sglang.releases import RELEASES
+
     sglang = importlib.import_module("sglang")
     conn = importlib.import_module("sglang.srt.disaggregation.nixl.conn")
     common = importlib.import_module("sglang.srt.disaggregation.common.conn")
     handler = importlib.import_module("sglang.srt.disaggregation.common.staging_handler")
     base = importlib.import_module("sglang.srt.disaggregation.base.conn")
-    return Upstream(sglang.__version__, conn, common, handler, base.KVPoll)
+    up = Upstream(sglang.__version__, conn, common, handler, base.KVPoll)
+    up.released_staging_class = handler.PrefillStagingContext
+    for target in RELEASES.get(up.version, ()):
+        if target.hook is None or target.hook_type == "REPLACE":
+            continue
+        owner_path, attr = target.path.rsplit(".", 1)
+        owner = importlib.import_module(owner_path.rsplit(".", 1)[0])
+        owner = getattr(owner, owner_path.rsplit(".", 1)[1])
+        up.released.append((owner, attr, owner.__dict__[attr]))
+    if plugins:
+        logger = logging.getLogger(ours.LOG.name)
+        handler_ = _Collect(up.plugin_log)
+        logger.addHandler(handler_)
+        level = logger.level
+        logger.setLevel(logging.DEBUG)
+        try:
+            importlib.import_module("sglang.srt.plugins").load_plugins()
+        finally:
+            logger.removeHandler(handler_)
+            logger.setLevel(level)
+    return up
 
 
-# ---------------------------------------------------------------------- the adopter change
+# ---------------------------------------------------------------------- plugin on / off
 
 
 @dataclasses.dataclass
 class Adoption:
-    """Which parts of the adopter change are applied, and what they replaced."""
+    """One configuration: the plugin on (what ``load_plugins()`` left) or off (the released
+    objects put back for the run by :func:`installed`)."""
 
+    name: str
     staging_class: type
-    clear: Callable[..., Any]
-    clear_owner: type
+    clear: Callable[[Any], Any]  # clears a sender as the configuration's code does
     worker_block: Callable[[Any, int], None]
-    replacements: list[adopt.Replacement]
+    restore: list[tuple[Any, str, Any]]  # what installed() puts in place
+
+    @property
+    def plugin(self) -> bool:
+        return not self.restore
 
 
-def adoption(
-    up: Upstream,
-    *,
-    context: str,
-    clear: bool,
-    worker: bool,
-    route: str = "subclass",
-    **context_kwargs: Any,
-) -> Adoption:
-    """Build (not install) one configuration: ``context`` ``"bare"`` (upstream's dataclass,
-    two sets) or ``"compat"`` (:func:`adopt.compat_dataclass` by ``route``); ``clear`` and
-    ``worker``: replace the staging purge of ``clear()`` / of the worker block by
-    ``purge_room``.
+def adoption(up: Upstream, *, plugin: bool, staging_class: type | None = None) -> Adoption:
+    """The configuration ``plugin`` on or off (``staging_class``: another class to make the
+    contexts with, e.g. the plugin's class under the released ``clear()``).
 
     Raises:
-        AdoptionError: the release does not have the expected code shape.
+        AdoptionError: the release's worker has not the expected clean-up block.
     """
-    owner = adopt.find_purge_owner(up.conn.NixlKVSender, "clear")
-    released_clear = owner.__dict__["clear"]
-    records: list[adopt.Replacement] = []
-    new_clear: Callable[..., Any] = released_clear
-    if clear:
-        new_clear, rec = adopt.patch_purge(released_clear, owner)
-        records.append(rec)
-    block, rec = adopt.purge_block(
-        up.conn.NixlKVManager.transfer_worker, ("self", "room"), adopted=worker
+    block, _ = adopt.purge_block(
+        up.conn.NixlKVManager.transfer_worker, ("self", "room"), adopted=False
     )
-    if worker:
-        records.append(rec)
-    if context == "bare":
-        cls = up.staging_class
-    elif context == "compat":
-        cls = adopt.compat_dataclass(up.staging_class, route, **context_kwargs)
-    else:
-        raise ValueError(f"context must be 'bare' or 'compat', got {context!r}")
-    return Adoption(cls, new_clear, owner, block, records)
+    if plugin:
+        return Adoption("plugin on", staging_class or up.staging_class, _clear, block, [])
+    assert up.released_staging_class is not None
+    restore = list(up.released)
+    for module in (up.handler, up.conn, up.common):
+        if getattr(module, "PrefillStagingContext", None) is not None:
+            restore.append((module, "PrefillStagingContext", up.released_staging_class))
+    cls = staging_class or up.released_staging_class
+    return Adoption("plugin off", cls, _clear, block, restore)
+
+
+def _clear(sender: Any) -> Any:
+    return sender.clear()
 
 
 @contextlib.contextmanager
 def installed(up: Upstream, how: Adoption) -> Iterator[None]:
-    """Install ``how`` into the upstream modules (the sender's ``clear``, and the staging
-    class under its name wherever upstream imported it); restore on exit."""
+    """Put ``how.restore`` in place (the released objects, for "plugin off"); restore on
+    exit. Nothing for "plugin on"."""
+    missing = object()
     saved: list[tuple[Any, str, Any]] = []
-
-    def put(obj: Any, name: str, value: Any) -> None:
-        old = obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)
-        saved.append((obj, name, old))
-        setattr(obj, name, value)
-
     try:
-        put(how.clear_owner, "clear", how.clear)
-        for module in (up.handler, up.conn, up.common):
-            if getattr(module, "PrefillStagingContext", None) is not None:
-                put(module, "PrefillStagingContext", how.staging_class)
+        for obj, name, value in how.restore:
+            vars_ = obj.__dict__ if isinstance(obj, type) else vars(obj)
+            saved.append((obj, name, vars_.get(name, missing)))
+            setattr(obj, name, value)
         yield
     finally:
         for obj, name, value in reversed(saved):
-            setattr(obj, name, value)
+            if value is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
 
 
 @contextlib.contextmanager
 def schedule_config(up: Upstream) -> Iterator[None]:
-    """``get_schedule()`` of the NIXL module answers ``chunked_prefill_size`` (restored)."""
+    """``get_schedule()`` of the NIXL module answers ``chunked_prefill_size``, and
+    ``get_parallel()`` of the common module one data-parallel rank (restored)."""
     module: Any = up.conn
+    common: Any = up.common
     original = module.get_schedule
+    original_parallel = getattr(common, "get_parallel", None)
     config = types.SimpleNamespace(chunked_prefill_size=CHUNK_TOKENS)
+    parallel = types.SimpleNamespace(num_dp_ranks=1, dp_size=1)
     module.get_schedule = lambda: config
+    if original_parallel is not None:
+        common.get_parallel = lambda: parallel
     try:
         yield
     finally:
         module.get_schedule = original
+        if original_parallel is not None:
+            common.get_parallel = original_parallel
 
 
 # ---------------------------------------------------------------------- the decode side's socket
@@ -232,35 +277,21 @@ class Prefill:
             "_deferred_ack_poisoned_rooms": set(),
             "deferred_bootstrap": None,
             "disaggregation_mode": _prefill_mode(up),
+            "is_dummy_cp_rank": False,
+            "sender_trace_module": None,
+            "attn_dp_rank": 0,
         }
         for name, value in attrs.items():
             setattr(mgr, name, value)
         self.mgr = mgr
         self.staging = staging
 
-    def admit(self, room: int, *, reopen: bool = False) -> Any:
-        """A new request: the decode side's transfer info arrives (the bootstrap thread's
-        part) and the scheduler makes its sender. Returns the sender. ``reopen``: the
-        adopter's optional line for reused ids, ``reopen_room(room)`` where the sender is
-        made (docs/ADOPTING.md)."""
+    def admit(self, room: int) -> Any:
+        """A new request, its sender made with ``__new__`` (its constructor skipped; see
+        :meth:`construct` for the real one): the decode side's transfer info arrives (the
+        bootstrap thread's part) and the scheduler's sender exists. Returns the sender."""
         conn = self.up.conn
-        import numpy as np
-
-        if reopen:
-            self.staging.reopen_room(room)
-
-        self.mgr.transfer_infos[room] = {
-            SESSION: conn.TransferInfo(
-                room=room,
-                endpoint="127.0.0.1",
-                dst_port=self.sink.port,
-                agent_name=SESSION,
-                dst_kv_indices=np.arange(PAGES, dtype=np.int32),
-                dst_aux_index=0,
-                required_dst_info_num=1,
-                dst_state_indices=[],
-            )
-        }
+        self._transfer_info(room)
         self.mgr.request_status[room] = self.up.kv_poll.WaitingForInput
         self.mgr.req_to_decode_prefix_len[room] = 0
         sender = conn.NixlKVSender.__new__(conn.NixlKVSender)
@@ -278,6 +309,38 @@ class Prefill:
         if trace is not None:
             sender.trace_ctx = trace()
         return sender
+
+    def construct(self, room: int) -> Any:
+        """A sender made by upstream's own constructor (``NixlKVSender(mgr, ...)``, through
+        ``CommonKVSender.__init__`` and whatever the plugin hooked there), as the scheduler
+        makes one for a new request; the decode side's transfer info is then registered as
+        :meth:`admit` does. Call with :func:`schedule_config` in effect."""
+        conn = self.up.conn
+        params = inspect.signature(conn.NixlKVSender.__init__).parameters
+        kwargs: dict[str, Any] = {}
+        if "dest_tp_ranks" in params:
+            kwargs["dest_tp_ranks"] = [0]
+        if "pp_rank" in params:
+            kwargs["pp_rank"] = 0
+        sender = conn.NixlKVSender(self.mgr, "127.0.0.1:0", room, **kwargs)
+        self._transfer_info(room)
+        return sender
+
+    def _transfer_info(self, room: int) -> None:
+        import numpy as np
+
+        self.mgr.transfer_infos[room] = {
+            SESSION: self.up.conn.TransferInfo(
+                room=room,
+                endpoint="127.0.0.1",
+                dst_port=self.sink.port,
+                agent_name=SESSION,
+                dst_kv_indices=np.arange(PAGES, dtype=np.int32),
+                dst_aux_index=0,
+                required_dst_info_num=1,
+                dst_state_indices=[],
+            )
+        }
 
     def prefetch(self, room: int) -> None:
         """Upstream's scheduler prefetch for the room."""

@@ -8,7 +8,13 @@ For every release in :data:`RELEASES` (each has ``tools/sglang/requirements-<ver
    the rest of ``requirements.lock`` are the very versions the rest of CI tests (the lock
    files say this too); the checkout itself comes first on ``PYTHONPATH``;
 3. the ``torchvision`` stub (:mod:`tools.sglang.torchvision_stub`; why: see there);
-4. ``pytest tests/sglang`` with that venv's interpreter, told which release it must find
+4. **our built wheel**, installed ``--no-deps`` as a user's ``pip install nixl-staging``
+   would: its ``sglang.srt.plugins`` entry point is found by SGLang's own ``load_plugins()``
+   through ``importlib.metadata``, and ``staging`` is imported from the venv's
+   site-packages, not from the checkout (the checkout comes *after* site-packages, for
+   ``tools`` and ``tests`` only; pytest runs with ``-P`` and ``--import-mode=importlib`` so
+   that neither puts it first). No SGLang source is changed;
+5. ``pytest tests/sglang`` with that venv's interpreter, told which release it must find
    (``NIXL_STAGING_SGLANG_EXPECT``): there, an SGLang that does not import, or is another
    version, fails the run instead of skipping.
 
@@ -47,8 +53,12 @@ DEFAULT_ROOT = REPO / "build" / "sglang"
 DEFAULT_RUNS = 100
 STAMP = ".nixl-staging-stamp"
 PTH = "_nixl_staging_base.pth"
+REPO_PTH = "zz_nixl_staging_checkout.pth"  # after every other path: tools/, tests/ only
 INSTALL_TIMEOUT_S = 900
 TEST_TIMEOUT_S = 1200
+# Never inherited by the test run: they would turn the plugin off, or put the checkout's
+# `staging` before the installed wheel's.
+_PLUGIN_ENV = ("PYTHONPATH", "SGLANG_PLUGINS", "NIXL_STAGING_SGLANG_PLUGIN")
 
 
 @dataclass
@@ -129,16 +139,78 @@ def _du(path: Path) -> str:
     return f"{total / 2**20:.0f} MiB"
 
 
+def build_wheel(dest: Path) -> Path:
+    """Our wheel, built from the tracked (and new, not ignored) files of the checkout copied
+    to a scratch directory (as ``.ci/run`` does), so the checkout is not written to.
+
+    Raises:
+        RuntimeError: listing the files or building failed.
+    """
+    if dest.exists():
+        shutil.rmtree(dest)
+    src = dest / "src"
+    src.mkdir(parents=True)
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"git ls-files failed: {exc}") from None
+    for name in filter(None, listed.decode().split("\0")):
+        path = REPO / name
+        if path.is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, src / name)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(dest),
+            str(src),
+        ],
+        "pip wheel",
+        timeout=300,
+    )
+    wheels = sorted(dest.glob("nixl_staging-*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip wheel made {[w.name for w in wheels]}")
+    return wheels[0]
+
+
+def install_wheel(venv: Path, wheel: Path) -> None:
+    """Install ``wheel`` into the release's venv as a user would (``--no-deps``: its one
+    dependency, readerwriterlock, comes from .venv), and put the checkout on the path after
+    site-packages (for ``tools``/``tests``).
+
+    Raises:
+        RuntimeError: pip failed.
+    """
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
+    _run(
+        [*pip, "install", "-q", "--no-deps", "--no-compile", "--force-reinstall", str(wheel)],
+        "pip install (our wheel)",
+        timeout=300,
+    )
+    (_site_packages(venv) / REPO_PTH).write_text(f"{REPO}\n")
+
+
 def run_tests(release: str, venv: Path, runs: int, extra: Sequence[str]) -> Outcome:
     """``pytest tests/sglang`` in the release's venv, its output streamed with a prefix."""
     out = Outcome(release)
     report = venv / "report.json"
     report.unlink(missing_ok=True)
     env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep
-        ),
+        **{k: v for k, v in os.environ.items() if k not in _PLUGIN_ENV},
         "NIXL_STAGING_SGLANG_EXPECT": release,
         "NIXL_STAGING_SGLANG_REPORT": str(report),
         "NIXL_STAGING_SGLANG_RUNS": str(runs),
@@ -146,8 +218,10 @@ def run_tests(release: str, venv: Path, runs: int, extra: Sequence[str]) -> Outc
     }
     cmd = [
         str(venv / "bin" / "python"),
+        "-P",
         "-m",
         "pytest",
+        "--import-mode=importlib",
         "-q",
         "-ra",
         "-p",
@@ -202,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     releases = tuple(args.release or RELEASES)
     t_all = time.monotonic()
     outcomes: list[Outcome] = []
+    wheel: Path | None = None
     for release in releases:
         venv = args.root / release
         shown = venv.relative_to(REPO) if venv.is_relative_to(REPO) else venv
@@ -213,7 +288,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[sglang {release}] install FAILED: {exc}", flush=True)
             outcomes.append(outcome)
             continue
-        print(f"[sglang {release}] venv {how}", flush=True)
+        try:
+            if wheel is None:  # once, after the first venv exists
+                wheel = build_wheel(args.root / "wheel")
+                print(f"sglang clients: built {wheel.name}", flush=True)
+            install_wheel(venv, wheel)
+        except (RuntimeError, OSError) as exc:
+            outcome = Outcome(release, install=f"FAILED: {exc}", problem="install failed")
+            print(f"[sglang {release}] our wheel: install FAILED: {exc}", flush=True)
+            outcomes.append(outcome)
+            continue
+        print(f"[sglang {release}] venv {how}; {wheel.name} installed", flush=True)
         outcome = run_tests(release, venv, args.runs, args.pytest_args)
         outcome.install = how
         outcomes.append(outcome)

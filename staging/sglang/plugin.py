@@ -1,0 +1,240 @@
+"""The SGLang plugin's decision: what applies to the installed SGLang, and registering it.
+
+:func:`register` is the entry point SGLang's ``load_plugins()`` calls (group
+``sglang.srt.plugins``, name ``nixl_staging``; see ``pyproject.toml``). It decides all or
+nothing:
+
+1. ``NIXL_STAGING_SGLANG_PLUGIN=0`` (or ``false``/``no``/``off``): nothing, one INFO line.
+2. The installed release (``importlib.metadata.version("sglang")``) must have an entry in
+   :data:`staging.sglang.releases.RELEASES`; every target of the entry must resolve (this
+   imports the SGLang modules that hold them, as ``HookRegistry.apply_hooks`` will) and carry
+   the fingerprint of the released source the hook was written against. Otherwise nothing
+   is registered and ONE WARNING names the installed release, the supported ones and the
+   first missing or changed target.
+3. Then every hook is registered with ``HookRegistry.register`` and ONE INFO line names
+   what was replaced. (``load_plugins()`` applies them right after.)
+
+SGLang's own whitelist ``SGLANG_PLUGINS`` (comma-separated entry-point names) is the other
+opt-out: a list without ``nixl_staging`` never calls :func:`register`.
+
+Nothing here imports SGLang, torch or nixl at module import time; :func:`plan` imports SGLang
+only when a supported release is installed.
+
+Thread-safety: :func:`register` and :func:`plan` run once, single-threaded, in SGLang's
+``load_plugins()`` (or in ``python -m staging.sglang --check``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import os
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from staging.sglang import hooks
+from staging.sglang.releases import RELEASES, Target
+
+__all__ = [
+    "DISABLE_ENV",
+    "ENTRY_POINT",
+    "LOG",
+    "Plan",
+    "fingerprint",
+    "installed_release",
+    "plan",
+    "register",
+]
+
+LOG: Final = logging.getLogger("staging.sglang")
+"""The plugin's logger: one INFO line when it applies, one WARNING when it does not."""
+
+DISABLE_ENV: Final = "NIXL_STAGING_SGLANG_PLUGIN"
+"""``0``, ``false``, ``no`` or ``off`` turns the plugin off (anything else, or unset: on)."""
+
+ENTRY_POINT: Final = "nixl_staging"
+"""The plugin's name in the ``sglang.srt.plugins`` entry-point group (``SGLANG_PLUGINS``)."""
+
+_OFF = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass
+class Plan:
+    """What the plugin would do to the installed SGLang.
+
+    ``hooks`` is empty unless everything checked out (all or nothing); ``problem`` then says
+    why, in the words of the WARNING.
+    """
+
+    release: str | None  # installed sglang version, None if not installed
+    enabled: bool = True
+    problem: str | None = None
+    hooks: list[tuple[Target, Callable[..., Any] | type]] = field(default_factory=list)
+    checked: list[Target] = field(default_factory=list)
+
+    @property
+    def applies(self) -> bool:
+        return self.enabled and self.problem is None and bool(self.hooks)
+
+    def summary(self) -> str:
+        """The INFO line of a plan that applies."""
+        parts = [
+            f"{t.path.rsplit('.', 2)[-2]}.{t.path.rsplit('.', 1)[-1]} ({t.hook_type})"
+            for t, _ in self.hooks
+        ]
+        return (
+            f"nixl-staging plugin applied to sglang {self.release}: "
+            + "; ".join(parts)
+            + ": the prefill staging sets are locked views and clear()/failure_exception() "
+            "purge a room atomically and tombstone it"
+        )
+
+
+def installed_release() -> str | None:
+    """The installed sglang distribution's version, or ``None``."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def fingerprint(obj: object) -> str:
+    """The first 16 hex digits of the SHA-256 of ``obj``'s source (its ``__wrapped__``
+    chain unwrapped: a function another plugin hooked is read as released).
+
+    Raises:
+        OSError, TypeError: the source cannot be read.
+    """
+    if not isinstance(obj, type):
+        obj = inspect.unwrap(obj)  # type: ignore[arg-type]
+    source = inspect.getsource(obj)  # type: ignore[arg-type]
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def resolve(path: str) -> object:
+    """The object at a dotted ``module.attr[.attr]`` path (as ``HookRegistry`` resolves
+    it; a class's own or inherited attribute).
+
+    Raises:
+        ImportError, AttributeError, ValueError: it does not resolve.
+    """
+    owner_path, attr = path.rsplit(".", 1)
+    owner = pkgutil.resolve_name(owner_path)
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if attr in klass.__dict__:
+                raw = klass.__dict__[attr]
+                return raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+        raise AttributeError(f"{owner_path} has no attribute {attr!r}")
+    return getattr(owner, attr)
+
+
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in _OFF
+
+
+def plan(release: str | None = None, *, check_fingerprints: bool = True) -> Plan:
+    """Check the installed SGLang (``release``: the version to assume, default the
+    installed one) and build the hooks, registering nothing.
+
+    Raises: nothing; every problem is in ``Plan.problem``.
+    """
+    release = installed_release() if release is None else release
+    result = Plan(release)
+    if _disabled():
+        result.enabled = False
+        result.problem = f"turned off by {DISABLE_ENV}={os.environ.get(DISABLE_ENV)}"
+        return result
+    supported = ", ".join(RELEASES)
+    if release is None:
+        result.problem = f"sglang is not installed (supported releases: {supported})"
+        return result
+    targets = RELEASES.get(release)
+    if targets is None:
+        result.problem = (
+            f"sglang {release} is not a supported release (supported: {supported}); "
+            f"missing target: the whole release table entry for {release} "
+            "(staging/sglang/releases.py)"
+        )
+        return result
+    resolved: dict[str, object] = {}
+    for target in targets:
+        try:
+            obj = resolve(target.path)
+        except Exception as exc:  # any import or attribute failure means: does not apply
+            result.problem = (
+                f"sglang {release} (supported: {supported}): missing target {target.path} "
+                f"({type(exc).__name__}: {exc})"
+            )
+            return result
+        if check_fingerprints:
+            try:
+                got = fingerprint(obj)
+            except (OSError, TypeError) as exc:
+                got = f"unreadable ({exc})"
+            if got != target.fingerprint:
+                result.problem = (
+                    f"sglang {release} (supported: {supported}): target {target.path} is not "
+                    f"the released code the plugin was written against (fingerprint {got}, "
+                    f"expected {target.fingerprint})"
+                )
+                return result
+        resolved[target.path] = obj
+        result.checked.append(target)
+    try:
+        for target in targets:
+            if target.hook is None:
+                continue
+            result.hooks.append((target, _make(target, resolved)))
+    except Exception as exc:  # a released object not as the hook expects: does not apply
+        result.hooks.clear()
+        result.problem = (
+            f"sglang {release} (supported: {supported}): cannot build the hook of "
+            f"{target.path} ({type(exc).__name__}: {exc})"
+        )
+    return result
+
+
+def _make(target: Target, resolved: dict[str, object]) -> Callable[..., Any] | type:
+    """The hook of ``target``, from the resolved objects. Raises: ValueError, TypeError."""
+    obj = resolved[target.path]
+    if target.hook == "staging_class":
+        if not isinstance(obj, type):
+            raise TypeError(f"{target.path} is not a class")
+        return hooks.staging_class(obj)
+    if target.hook == "purge_then_clear":
+        return hooks.purge_then_clear()
+    if target.hook == "lift_on_new_sender":
+        return hooks.lift_on_new_sender()
+    raise ValueError(f"unknown hook {target.hook!r}")
+
+
+def register() -> Plan:
+    """The entry point: check, then register every hook or none (module docstring).
+
+    Logs one INFO line (applied, or turned off) or one WARNING (does not apply). Returns the
+    plan (SGLang ignores it). Raises: nothing (SGLang would log and go on anyway).
+    """
+    result = plan()
+    if not result.enabled:
+        LOG.info("nixl-staging plugin: %s; SGLang runs as released", result.problem)
+        return result
+    if not result.applies:
+        LOG.warning(
+            "nixl-staging plugin NOT applied, no hook registered: %s. SGLang runs as "
+            "released (unlocked staging sets). `python -m staging.sglang --check` says more.",
+            result.problem,
+        )
+        return result
+    registry = importlib.import_module("sglang.srt.plugins.hook_registry")
+    for target, hook in result.hooks:
+        registry.HookRegistry.register(
+            target.path, hook, getattr(registry.HookType, str(target.hook_type))
+        )
+    LOG.info("%s", result.summary())
+    return result

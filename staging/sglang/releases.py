@@ -1,0 +1,109 @@
+"""The SGLang releases the plugin supports: one table entry each (:data:`RELEASES`).
+
+An entry lists every upstream object the plugin relies on, as the dotted target SGLang's
+``HookRegistry`` resolves, with the hook it gets (or ``None``: checked, not hooked) and the
+fingerprint of the released source it was written against (the first 16 hex digits of the
+SHA-256 of ``inspect.getsource(obj)``; no source is kept here). The plugin registers
+nothing unless the installed release has an entry and every target of it resolves and has
+its fingerprint: a changed function means the hook's reading of its behaviour may be wrong.
+
+A newer release gets its own entry here (``python -m staging.sglang --fingerprint`` prints
+the fingerprints of the installed release's targets) and its run of ``make sglang``
+(``tools/sglang/requirements-<release>.lock``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["RELEASES", "Target"]
+
+_SH = "sglang.srt.disaggregation.common.staging_handler"
+_COMMON = "sglang.srt.disaggregation.common.conn"
+_NIXL = "sglang.srt.disaggregation.nixl.conn"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One upstream object the plugin relies on."""
+
+    path: str  # dotted, as HookRegistry.register takes it
+    hook: str | None  # a factory of staging.sglang.hooks, or None: checked only
+    hook_type: str | None  # "REPLACE", "AROUND", "AFTER" (a HookType name), or None
+    fingerprint: str  # of the released source
+    does: str  # what the plugin changes there (or relies on), in a few words
+
+
+RELEASES: Final[dict[str, tuple[Target, ...]]] = {
+    "0.5.21": (
+        Target(
+            f"{_SH}.PrefillStagingContext",
+            "staging_class",
+            "REPLACE",
+            "79b39c1eb4e765e6",
+            "the prefill staging dataclass -> a CompatStagingContext (locked views)",
+        ),
+        Target(
+            f"{_NIXL}.NixlKVSender.clear",
+            "purge_then_clear",
+            "AROUND",
+            "113022b20bcd716b",
+            "one purge_room, then the released clear() without its staging drop "
+            "(a rebind of prefetch_requested)",
+        ),
+        Target(
+            f"{_COMMON}.CommonKVSender.__init__",
+            "lift_on_new_sender",
+            "AFTER",
+            "e1f830f678e62de5",
+            "a new sender lifts its id's tombstone (reused ids)",
+        ),
+        Target(
+            f"{_NIXL}.NixlKVSender.failure_exception",
+            None,
+            None,
+            "e7caf9fc3226cdbb",
+            "relied on: calls self.clear() (so the failure path purges)",
+        ),
+    ),
+    "0.5.23": (
+        Target(
+            f"{_SH}.PrefillStagingContext",
+            "staging_class",
+            "REPLACE",
+            "79b39c1eb4e765e6",
+            "the prefill staging dataclass -> a CompatStagingContext (locked views)",
+        ),
+        Target(
+            f"{_COMMON}.CommonKVSender.clear",
+            "purge_then_clear",
+            "AROUND",
+            "868b15393aa9f65b",
+            "one purge_room, then the released clear() without its staging drop (a walk "
+            "over every key); NIXL's and Mooncake's senders inherit it",
+        ),
+        Target(
+            f"{_NIXL}.NixlKVSender.clear",
+            None,
+            None,
+            "868b15393aa9f65b",
+            "relied on: NIXL's sender inherits CommonKVSender.clear (hooked above)",
+        ),
+        Target(
+            f"{_COMMON}.CommonKVSender.__init__",
+            "lift_on_new_sender",
+            "AFTER",
+            "d6b7b1d5dccf0f45",
+            "a new sender that owns its room lifts its id's tombstone (reused ids)",
+        ),
+        Target(
+            f"{_COMMON}.CommonKVSender.failure_exception",
+            None,
+            None,
+            "61b5de09eea29ed2",
+            "relied on: calls self.clear() (so the failure path purges)",
+        ),
+    ),
+}
+"""Release -> the targets of that release. The one place a newer release is added."""
