@@ -33,7 +33,13 @@ from typing import cast
 
 from staging.errors import RoomAlreadyOpenError, RoomNotOpenError, RoomPurgedError
 from staging.locks import LockLevel, LockStats, MutexLock, RWLock, make_lock
-from staging.validate import check_chunk_idx, check_index, check_room_id, check_session_id
+from staging.validate import (
+    check_chunk_idx,
+    check_index,
+    check_indices,
+    check_room_id,
+    check_session_id,
+)
 
 PrefetchKey = tuple[int, int, str]
 """``(room, chunk_idx, session_id)``: the key engines store in ``prefetch_requested``."""
@@ -404,7 +410,7 @@ class StagingContext:
         if type(chunk_idxs) is range and chunk_idxs.start >= 0 and chunk_idxs.step > 0:
             chunks = chunk_idxs  # every member an exact int >= 0 (the common call)
         else:
-            chunks = tuple(check_chunk_idx(chunk_idx) for chunk_idx in chunk_idxs)
+            chunks = check_indices(chunk_idxs, "chunk_idx")  # ints or integer-likes
         if type(session_id) is not str or not session_id:
             session_id = check_session_id(session_id)
         lock = self._lock
