@@ -180,6 +180,8 @@ class KVManager:
         notify_decode: bool = True,
         events: ManagerEvents | None = None,
     ) -> None:
+        """Make a :class:`KVManager`: every argument and what it raises are in the
+        class docstring (``help(KVManager)``)."""
         check_index(num_workers, "num_workers")
         if kv_pool.dim() != 2 or kv_pool.dtype != torch.uint8:
             raise TypeError("kv_pool must be a 2-D uint8 tensor [num_pages, page_bytes]")

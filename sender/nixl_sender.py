@@ -87,6 +87,8 @@ class NixlKVSender:
         session_ids: Sequence[str],
         transfer_infos: Sequence[TransferInfo] = (),
     ) -> None:
+        """Make a :class:`NixlKVSender`: every argument and what it raises are in the
+        class docstring (``help(NixlKVSender)``)."""
         if isinstance(session_ids, (str, bytes)):
             raise TypeError(
                 f"session_ids must be a sequence of session id strings, got {session_ids!r}"

@@ -644,6 +644,8 @@ class NixlTransport:
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
     ) -> None:
+        """Make a :class:`NixlTransport`: every argument and what it raises are in the
+        class docstring (``help(NixlTransport)``)."""
         bindings = _nixl.require()
         if name is None:
             name = f"nixl-{os.getpid()}-{uuid.uuid4().hex[:12]}"

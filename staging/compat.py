@@ -969,6 +969,8 @@ class CompatStagingContext:
         strict: bool = False,
         debug: bool | None = None,
     ) -> None:
+        """Make a :class:`CompatStagingContext`: every argument and what it raises are in the
+        class docstring (``help(CompatStagingContext)``)."""
         check_index(tombstones, "tombstones")
         core = _CompatCore(
             lock=lock, lock_timeout=lock_timeout, debug=debug, strict=strict, tombstones=tombstones

@@ -191,6 +191,8 @@ class StagingContext:
         debug: bool | None = None,
         strict: bool = False,
     ) -> None:
+        """Make a :class:`StagingContext`: every argument and what it raises are in the
+        class docstring (``help(StagingContext)``)."""
         if debug is not None and not isinstance(debug, bool):
             raise TypeError(f"debug must be True, False or None, got {debug!r}")
         if not isinstance(strict, bool):

@@ -163,8 +163,11 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
         "end; needs the 'metrics' extra",
     )  # fmt: skip
     parser.add_argument(
-        "--quick", action="store_true", help=f"~{QUICK_DURATION_S:g} s per scenario"
-    )
+        "--quick", action="store_true",
+        help=f"{QUICK_DURATION_S:g} s of load per scenario (its 'run s'); set-up and checks "
+        "add to it: a sender scenario starts and reaps decode peer processes, 5-20 s of wall "
+        "time each on 2 cores",
+    )  # fmt: skip
     parser.add_argument(
         "--progress", choices=("auto", "on", "off"), default="auto",
         help="live progress line on stderr (auto: only on a terminal)",
