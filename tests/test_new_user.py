@@ -19,7 +19,6 @@ from sender.nixl_sender import NixlKVSender  # noqa: E402
 from sender.poll import KVPoll  # noqa: E402
 from sender.transport import NixlTransport  # noqa: E402
 from staging import CompatStagingContext, StagingContext  # noqa: E402
-from staging.validate import check_index, check_indices  # noqa: E402
 from tests.fixtures_nixl import requires_nixl  # noqa: E402
 
 SESSION = "d0"
@@ -62,6 +61,8 @@ def test_every_staging_entry_point_takes_numpy_integers(value: Any) -> None:
     ids=repr,
 )
 def test_what_is_not_an_index_is_still_refused(value: Any, error: type[Exception]) -> None:
+    from staging.validate import check_index
+
     with pytest.raises(error, match="room"):
         StagingContext().open_room(value)
     with pytest.raises(error):
@@ -69,6 +70,8 @@ def test_what_is_not_an_index_is_still_refused(value: Any, error: type[Exception
 
 
 def test_chunk_arrays_name_the_bad_element_and_its_position() -> None:
+    from staging.validate import check_indices
+
     ctx = StagingContext()
     h = ctx.open_room(1)
     with pytest.raises(ValueError, match=r"-2 \(at position 1\)"):
@@ -250,7 +253,10 @@ def test_bad_configuration_is_refused_at_construction(
 
 _SHUTDOWN_SCRIPT = """
 import sys, time, torch
-from sender import DecodePeer, KVManager, NixlKVSender, NixlTransport, make_transfer_info
+from sender.manager import KVManager, make_transfer_info
+from sender.nixl_sender import NixlKVSender
+from sender.peer import DecodePeer
+from sender.transport import NixlTransport
 n = int(sys.argv[1])
 kv = torch.randint(0, 256, (64, 1024), dtype=torch.uint8)
 peer = DecodePeer("decode-0", 64, 1024)
