@@ -48,8 +48,9 @@ _EXPORTS = {
 }
 """Public name -> the module that defines it (imported lazily by :func:`__getattr__`)."""
 
-__all__ = [  # literal, for linters and type checkers; == EXTRA_MODULES, __version__, _EXPORTS
+__all__ = [  # a literal, for linters; == the two constants, __version__ and _EXPORTS
     "EXTRA_MODULES",
+    "NIXL_BACKENDS",
     "TRANSPORT_ERRORS",
     "DecodePeer",
     "KVManager",
@@ -87,6 +88,11 @@ def __dir__() -> list[str]:
 EXTRA_MODULES = ("torch", "numpy", "nixl")
 """The top-level modules that only the ``sender`` extra installs."""
 
+NIXL_BACKENDS = ("nixl_cu13", "nixl_cu12")
+"""NIXL's backend modules, each in a wheel of its own; ``nixl`` (the meta package) picks one.
+Either stands for ``nixl`` where the meta package is not installed (the ``sender-cu13`` and
+``sender-cu12`` extras install one backend instead of both, ~210 MB less)."""
+
 
 def _installed(module: str) -> bool:
     try:
@@ -95,7 +101,11 @@ def _installed(module: str) -> bool:
         return True
 
 
-_missing = [m for m in EXTRA_MODULES if not _installed(m)]
+_missing = [
+    m
+    for m in EXTRA_MODULES
+    if not _installed(m) and not (m == "nixl" and any(_installed(b) for b in NIXL_BACKENDS))
+]
 if _missing:
     raise ModuleNotFoundError(
         f"the sender needs the 'sender' extra (missing: {', '.join(_missing)}): "
