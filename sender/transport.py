@@ -1301,13 +1301,13 @@ class NixlTransport:
                 if self._closed:
                     return
                 self._closed = True
-                last_notif = self._last_notif_at
                 transfers = list(self._live)
                 remote_agents = list(self._remote_refs)
                 regions = list(self._regions.values())
                 prepped = [h for p in self._peers.values() for h in p.prepped.values()]
                 prepped += [r.prepped for r in regions]
                 agent = self._agent
+                last_notif = self._last_notif_at
             if last_notif is not None:
                 _flush_notifs(agent, last_notif + _NOTIF_FLUSH_S)
             for t in transfers:
