@@ -28,6 +28,9 @@ class BenchSpec:
     name: str
     module: str
     summary: str
+    host_network: bool = False
+    """It changes this host's network (namespaces, veths, ``tc``): ``python -m bench`` runs
+    it only when it is named or ``--two-hosts`` is given."""
 
     def load(self) -> BenchFn:
         """Import the module and return its ``run``.
@@ -89,6 +92,7 @@ BENCHMARKS: tuple[BenchSpec, ...] = (
         "two-hosts",
         "bench.two_hosts",
         "GB/s over a tbf-shaped veth link to a peer in its own netns (UCX/TCP) vs the rate",
+        host_network=True,
     ),
 )
 

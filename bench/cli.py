@@ -1,4 +1,8 @@
-"""``python -m bench [NAMES ...] [--quick] [--json PATH] [--list]``.
+"""``python -m bench [NAMES ...] [--quick] [--two-hosts] [--json PATH] [--list]``.
+
+A benchmark that changes this host's network (``two-hosts``: network namespaces, veth pairs,
+``tc`` shaping; needs root) runs only when it is named or ``--two-hosts`` is given; ``make
+bench`` and ``make bench-quick`` pass it.
 
 Prints the environment once, then each benchmark's table of medians, its ratios and its goal
 lines, then a one-line-per-benchmark summary. Exit status: 0 when every selected benchmark
@@ -29,18 +33,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run ({names})")
     parser.add_argument("--quick", action="store_true", help="short preset (< 1 min in all)")
+    parser.add_argument(
+        "--two-hosts", action="store_true",
+        help="also run the benchmarks that change this host's network (two-hosts: network "
+        "namespaces, veth pairs, tc shaping; needs root); naming one runs it too",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write all results as JSON here")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     return parser
 
 
-def _select(parser: argparse.ArgumentParser, names: Sequence[str]) -> list[BenchSpec]:
+def _select(
+    parser: argparse.ArgumentParser, names: Sequence[str], two_hosts: bool = False
+) -> list[BenchSpec]:
+    """The benchmarks to run, in registry order for none named. One that changes the host's
+    network is left out unless named or ``two_hosts``."""
     if not names:
-        return list(BENCHMARKS)
+        return [spec for spec in BENCHMARKS if two_hosts or not spec.host_network]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; known: {list(BY_NAME)}")
-    return [BY_NAME[n] for n in dict.fromkeys(names)]
+    chosen = [BY_NAME[n] for n in dict.fromkeys(names)]
+    if two_hosts:
+        chosen += [s for s in BENCHMARKS if s.host_network and s not in chosen]
+    return chosen
 
 
 def _run_one(spec: BenchSpec, quick: bool, out: TextIO) -> BenchResult:
@@ -86,7 +102,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         for spec in BENCHMARKS:
             print(f"{spec.name:<16} {spec.summary}", file=stream)
         return 0
-    specs = _select(parser, args.names)
+    specs = _select(parser, args.names, args.two_hosts)
     quick = bool(args.quick)
     env = environment()
     mode = "quick" if quick else "full"
@@ -95,6 +111,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         "speed is reported, never asserted",
         file=stream,
     )
+    for spec in BENCHMARKS:
+        if spec.host_network and spec not in specs and not args.names:
+            print(
+                f"note: not running {spec.name!r}: it changes this host's network (network "
+                "namespaces, veth pairs, tc); name it or pass --two-hosts",
+                file=stream,
+            )
     print(format_environment(env), file=stream, flush=True)
     started = time.perf_counter()
     results = [_run_one(spec, quick, stream) for spec in specs]

@@ -4,18 +4,94 @@ The sender needs the ``sender`` extra (torch, numpy and nixl):
 ``pip install 'nixl-staging[sender]'``. The core install (the staging layer) does not bring
 them; without them, importing this package raises :class:`ModuleNotFoundError` whose message is
 one line naming the extra, before any submodule fails on its own imports.
+
+The names a sender needs are importable from here (``from sender import KVManager,
+NixlKVSender, KVPoll, NixlTransport, make_transfer_info``); each is imported from its module
+on first use, so ``import sender`` itself stays cheap (no torch, no NIXL agent).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from typing import TYPE_CHECKING, Any
 
 from staging._version import __version__
 
-__all__ = ["EXTRA_MODULES", "__version__"]
+if TYPE_CHECKING:
+    from sender.errors import (
+        TRANSPORT_ERRORS,
+        KVTransferError,
+        RoomNotFailedError,
+        TransportError,
+    )
+    from sender.manager import KVManager, ManagerStats, TransferInfo, make_transfer_info
+    from sender.nixl_sender import NixlKVSender
+    from sender.peer import DecodePeer, PeerProcess
+    from sender.poll import KVPoll
+    from sender.transport import NixlTransport
+
+_EXPORTS = {
+    "KVManager": "sender.manager",
+    "ManagerStats": "sender.manager",
+    "TransferInfo": "sender.manager",
+    "make_transfer_info": "sender.manager",
+    "NixlKVSender": "sender.nixl_sender",
+    "KVPoll": "sender.poll",
+    "NixlTransport": "sender.transport",
+    "DecodePeer": "sender.peer",
+    "PeerProcess": "sender.peer",
+    "TRANSPORT_ERRORS": "sender.errors",
+    "KVTransferError": "sender.errors",
+    "RoomNotFailedError": "sender.errors",
+    "TransportError": "sender.errors",
+}
+"""Public name -> the module that defines it (imported lazily by :func:`__getattr__`)."""
+
+__all__ = [  # a literal, for linters; == the two constants, __version__ and _EXPORTS
+    "EXTRA_MODULES",
+    "NIXL_BACKENDS",
+    "TRANSPORT_ERRORS",
+    "DecodePeer",
+    "KVManager",
+    "KVPoll",
+    "KVTransferError",
+    "ManagerStats",
+    "NixlKVSender",
+    "NixlTransport",
+    "PeerProcess",
+    "RoomNotFailedError",
+    "TransferInfo",
+    "TransportError",
+    "__version__",
+    "make_transfer_info",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """The exported name ``name``, imported from its module on first use (PEP 562).
+
+    Raises:
+        AttributeError: not an exported name.
+    """
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sender' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
 
 EXTRA_MODULES = ("torch", "numpy", "nixl")
 """The top-level modules that only the ``sender`` extra installs."""
+
+NIXL_BACKENDS = ("nixl_cu13", "nixl_cu12")
+"""NIXL's backend modules, each in a wheel of its own; ``nixl`` (the meta package) picks one.
+Either stands for ``nixl`` where the meta package is not installed (the ``sender-cu13`` and
+``sender-cu12`` extras install one backend instead of both, ~210 MB less)."""
 
 
 def _installed(module: str) -> bool:
@@ -25,7 +101,11 @@ def _installed(module: str) -> bool:
         return True
 
 
-_missing = [m for m in EXTRA_MODULES if not _installed(m)]
+_missing = [
+    m
+    for m in EXTRA_MODULES
+    if not _installed(m) and not (m == "nixl" and any(_installed(b) for b in NIXL_BACKENDS))
+]
 if _missing:
     raise ModuleNotFoundError(
         f"the sender needs the 'sender' extra (missing: {', '.join(_missing)}): "

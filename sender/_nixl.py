@@ -13,6 +13,10 @@ that already knows which backend its parent resolved can name it in the environm
 ``NIXL_STAGING_NIXL_BACKEND`` (``PeerProcess`` does this for its children), and we import
 that backend module directly — the same classes, without the probe.
 
+Without the meta package (an install of one backend wheel: the ``sender-cu13`` or
+``sender-cu12`` extra) the first installed of :data:`sender.NIXL_BACKENDS` is imported
+directly, as the meta package does where it finds no CUDA.
+
 Every other module gets NIXL through the names below. When NIXL cannot be imported
 (``AVAILABLE`` is False) the names are ``None`` and :data:`IMPORT_ERROR` holds the reason;
 ``sender.errors`` still imports, and :class:`sender.transport.NixlTransport` raises a clear
@@ -22,11 +26,14 @@ error on construction.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import re
 from types import ModuleType
 from typing import Any
+
+from sender import NIXL_BACKENDS
 
 __all__ = [
     "AVAILABLE",
@@ -51,11 +58,30 @@ nixl_agent_config: Any
 nixl_thread_sync_t: Any
 IMPORT_ERROR: BaseException | None
 
+def _installed_backend(missing: ModuleNotFoundError) -> str:
+    """The first of :data:`sender.NIXL_BACKENDS` that is installed, for an install without
+    the ``nixl`` meta package (the ``sender-cu13``/``sender-cu12`` extras: one backend wheel
+    instead of both). Raises: ``missing`` when none is."""
+    for name in NIXL_BACKENDS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except ValueError:  # in sys.modules without a __spec__: it is there
+            return name
+    raise missing
+
+
 _saved_raise_exceptions = logging.raiseExceptions
 try:
     _named = os.environ.get(BACKEND_ENV, "")
     _package = _named if _BACKEND_RE.fullmatch(_named) else "nixl"
-    _bindings_mod = importlib.import_module(f"{_package}._bindings")
+    try:
+        _bindings_mod = importlib.import_module(f"{_package}._bindings")
+    except ModuleNotFoundError as _missing:
+        if _package != "nixl" or _missing.name not in ("nixl", "nixl._bindings"):
+            raise
+        _package = _installed_backend(_missing)  # no meta package: its backend, directly
+        _bindings_mod = importlib.import_module(f"{_package}._bindings")
     _api_mod = importlib.import_module(f"{_package}._api")
 except ImportError as _exc:  # NIXL not installed or no backend wheel for this platform
     bindings = None

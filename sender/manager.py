@@ -161,7 +161,12 @@ class KVManager:
         TypeError, ValueError: bad arguments (every timeout is checked here: a finite number,
             ``poll_interval_s`` not above ``transfer_timeout_s``; a wait longer than
             ``threading.TIMEOUT_MAX`` is cut to it); a ``staging_pool`` whose pages are larger
-            than a KV page (nothing could ever be staged into it).
+            than a KV page (nothing could ever be staged into it). With a transport that has
+            ``closed`` and ``regions()`` (:class:`sender.transport.NixlTransport`), also: a
+            closed transport, ``kv_region`` (or, with a pool, ``staging_region``) not
+            registered with it, or ``kv_pool`` not the tensor registered as ``kv_region``
+            (another page count, page size or address): each a ``ValueError`` naming the
+            value, raised here rather than as a transport fault of the first transfer.
     """
 
     def __init__(
@@ -183,9 +188,12 @@ class KVManager:
         notify_decode: bool = True,
         events: ManagerEvents | None = None,
     ) -> None:
+        """Make a :class:`KVManager`: every argument and what it raises are in the
+        class docstring (``help(KVManager)``)."""
         check_index(num_workers, "num_workers")
         if kv_pool.dim() != 2 or kv_pool.dtype != torch.uint8:
             raise TypeError("kv_pool must be a 2-D uint8 tensor [num_pages, page_bytes]")
+        _check_transport(transport, kv_pool, kv_region, staging_region, staging_pool)
         check_seconds(transfer_timeout_s, "transfer_timeout_s")
         check_seconds(slot_timeout_s, "slot_timeout_s", allow_zero=True)
         if staging_pool is not None and staging_pool.page_bytes > int(kv_pool.shape[1]):
@@ -459,6 +467,41 @@ class KVManager:
                 :class:`KVTransferError` saying why), so that its scheduler sees ``Failed``.
         """
         _check_handle(handle)
+        entry = self.rooms.peek(handle)  # lock-free; add_info checks again under the lock
+        sessions = entry.sessions if entry is not None else None
+        info, known_peer = self.vet_info(info, sessions, handle.room, peers=entry is not None)
+        if entry is not None and not known_peer:
+            reason = (
+                f"session {info.session_id!r} is not a peer of the transport (never "
+                "added, or removed after a fault)"
+            )
+            exc = KVTransferError(
+                handle.room, reason, generation=handle.generation, session_id=info.session_id
+            )
+            self.rooms.fail(handle, exc, reason, code="peer-failed", session_id=info.session_id)
+            return False
+        return self.rooms.add_info(handle, info)
+
+    def vet_info(
+        self,
+        info: TransferInfo,
+        session_ids: Sequence[str] | None,
+        room: int,
+        *,
+        peers: bool = True,
+    ) -> tuple[TransferInfo, bool]:
+        """The checks :meth:`add_transfer_info` makes before it changes anything, without a
+        room (``NixlKVSender`` makes them before it opens one): ``(info normalised, whether
+        its session is a peer of the transport)`` for room ``room`` whose sessions are
+        ``session_ids`` (``None``: not checked). A session that is not a peer passes here
+        (:meth:`add_transfer_info` then fails the room); ``peers=False`` skips the checks
+        against the transport's peers. Reads only; thread-safe.
+
+        Raises:
+            TypeError: ``info`` is not a :class:`TransferInfo`.
+            ValueError: as :meth:`add_transfer_info` (session not one of ``session_ids``,
+                destination past the peer's region, byte range without a pool, ...).
+        """
         if not isinstance(info, TransferInfo):
             raise TypeError(f"info must be a TransferInfo, got {type(info).__name__}")
         # An info built directly, bypassing make_transfer_info, is checked and normalised
@@ -468,27 +511,17 @@ class KVManager:
             raise ValueError("byte_range (a TP slice of each page) needs a staging pool")
         if self.staging_pool is not None:
             _check_staged_page(info, int(self.kv_pool.shape[1]), self.staging_pool.page_bytes)
-        entry = self.rooms.peek(handle)  # lock-free; add_info checks again under the lock
-        if entry is not None and info.session_id not in entry.sessions:
+        if session_ids is not None and info.session_id not in session_ids:
             raise ValueError(
-                f"session {info.session_id!r} is not a session of room {handle.room}"
+                f"session {info.session_id!r} is not a session of room {room} "
+                f"(its sessions: {list(session_ids)})"
             )
         peer_regions = getattr(self.transport, "peer_regions", None)
-        if entry is not None and callable(peer_regions):
+        if peers and callable(peer_regions):
             try:
                 regions = peer_regions(info.session_id)
             except PeerNotFoundError:
-                reason = (
-                    f"session {info.session_id!r} is not a peer of the transport (never "
-                    "added, or removed after a fault)"
-                )
-                exc = KVTransferError(
-                    handle.room, reason, generation=handle.generation,
-                    session_id=info.session_id,
-                )
-                self.rooms.fail(handle, exc, reason, code="peer-failed",
-                                session_id=info.session_id)
-                return False
+                return info, False
             region = regions.get(info.dst_region)
             if region is None:
                 raise ValueError(
@@ -500,7 +533,7 @@ class KVManager:
                     f"{info.dst_checked.max_page}; its region {info.dst_region!r} has "
                     f"{region.num_pages} pages"
                 )
-        return self.rooms.add_info(handle, info)
+        return info, True
 
     def init_room(self, handle: RoomHandle, num_kv_indices: int) -> bool:
         """Set how many KV pages the room will send (``init``). Thread-safe; atomic.
@@ -709,6 +742,54 @@ def _check_staged_page(info: TransferInfo, kv_page_bytes: int, pool_page_bytes: 
             f"session {info.session_id!r} stages pages of {length} B "
             f"({'byte_range ' + str(info.byte_range) if info.byte_range else 'whole KV pages'})"
             f" but the staging pool's page_bytes is {pool_page_bytes}"
+        )
+
+
+def _check_transport(
+    transport: object,
+    kv_pool: torch.Tensor,
+    kv_region: str,
+    staging_region: str,
+    staging_pool: StagingBufferPool | None,
+) -> None:
+    """Refuse a configuration the first transfer would fail on (see ``KVManager``'s
+    ``Raises``). A transport without ``closed``/``regions`` (a test double) is not checked.
+
+    Raises:
+        ValueError: the transport is closed, a region is not registered, or ``kv_pool`` is
+            not the registered ``kv_region``.
+    """
+    if getattr(transport, "closed", False) is True:
+        raise ValueError(f"transport {transport!r} is closed")
+    regions_of = getattr(transport, "regions", None)
+    if not callable(regions_of):
+        return
+    regions = regions_of()
+    if not isinstance(regions, Mapping):
+        return
+    wanted = [("kv_region", kv_region)]
+    if staging_pool is not None:
+        wanted.append(("staging_region", staging_region))
+    for what, name in wanted:
+        if name not in regions:
+            raise ValueError(
+                f"{what} {name!r} is not registered with transport {transport!r} "
+                f"(registered: {sorted(regions)})"
+            )
+    region = regions[kv_region]
+    num_pages, page_bytes = int(kv_pool.shape[0]), int(kv_pool.shape[1])
+    if (num_pages, page_bytes) != (region.num_pages, region.page_bytes):
+        raise ValueError(
+            f"kv_pool is [{num_pages}, {page_bytes}] (pages, page bytes) but region "
+            f"{kv_region!r} has {region.num_pages} pages of {region.page_bytes} bytes: "
+            "pass the tensor registered as kv_region"
+        )
+    if region.mem_type == "DRAM" and kv_pool.device.type == "cpu" and (
+        kv_pool.data_ptr() != region.base_addr
+    ):
+        raise ValueError(
+            f"kv_pool (at {kv_pool.data_ptr():#x}) is not the tensor registered as region "
+            f"{kv_region!r} (at {region.base_addr:#x})"
         )
 
 

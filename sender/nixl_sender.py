@@ -23,13 +23,18 @@ from sender.errors import KVTransferError, RoomNotFailedError
 from sender.manager import KVManager, PageArray, TransferInfo
 from sender.poll import KVPoll, is_concluded
 from staging.context import RoomHandle
-from staging.validate import check_index
+from staging.validate import check_index, check_room_id, check_session_id
 
 _INT64 = np.dtype(np.int64)
 
 
-def _as_indices(kv_indices: Sequence[int] | PageArray, what: str) -> PageArray:
-    """Validate a 1-D list/array of integer page indices (bools refused)."""
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _as_indices(kv_indices: Sequence[int] | PageArray, what: str, num_pages: int) -> PageArray:
+    """Validate a 1-D list/array of integer page indices (bools refused); an index outside
+    ``[0, num_pages)`` is named with its position (the rest of the bounds check is the
+    manager's, one pass)."""
     if (
         type(kv_indices) is np.ndarray
         and kv_indices.dtype is _INT64
@@ -43,6 +48,13 @@ def _as_indices(kv_indices: Sequence[int] | PageArray, what: str) -> PageArray:
         raise TypeError(f"{what} must hold ints, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and (
+        int(arr.max()) > _INT64_MAX
+    ):  # would wrap to a negative int64 and be reported as that
+        position = int(np.argmax(arr > _INT64_MAX))
+        raise ValueError(
+            f"{what} out of range [0, {num_pages}): {int(arr[position])} at position {position}"
+        )
     # Negative and too large indices: KVManager.submit_chunk checks both in one pass.
     return np.ascontiguousarray(arr, dtype=np.int64)
 
@@ -75,14 +87,21 @@ class NixlKVSender:
         session_ids: Sequence[str],
         transfer_infos: Sequence[TransferInfo] = (),
     ) -> None:
+        """Make a :class:`NixlKVSender`: every argument and what it raises are in the
+        class docstring (``help(NixlKVSender)``)."""
         if isinstance(session_ids, (str, bytes)):
             raise TypeError(
                 f"session_ids must be a sequence of session id strings, got {session_ids!r}"
             )
+        # Every check that can refuse an argument runs before the room opens: a constructor
+        # that raises leaves no room opened, cleared, counted or noticed behind.
+        room = check_room_id(bootstrap_room)
+        sessions = tuple(check_session_id(s) for s in session_ids)
+        infos = tuple(mgr.vet_info(info, sessions, room)[0] for info in transfer_infos)
         self.kv_mgr = mgr
-        self.bootstrap_room = bootstrap_room
-        self.session_ids = tuple(session_ids)
-        self._handle: RoomHandle = mgr.open_room(bootstrap_room, self.session_ids)
+        self.bootstrap_room = room
+        self.session_ids = sessions
+        self._handle: RoomHandle = mgr.open_room(room, sessions)
         self.conclude_state: KVPoll | None = None
         self._send_failed = False
         self._send_error: BaseException | None = None
@@ -92,7 +111,7 @@ class NixlKVSender:
         self._pages_sent = 0
         self._chunk_idx = 0
         try:
-            for info in transfer_infos:
+            for info in infos:  # a check that can still fail here fails under the lock
                 mgr.add_transfer_info(self._handle, info)
         except BaseException:
             mgr.purge_room(self._handle)
@@ -110,9 +129,9 @@ class NixlKVSender:
             TypeError, ValueError: bad count (or more pages than a session's destination),
                 ``aux_index`` not an int >= 0, or ``init`` called twice. No state changes.
         """
-        check_index(num_kv_indices, "num_kv_indices")
+        num_kv_indices = check_index(num_kv_indices, "num_kv_indices")
         if aux_index is not None:
-            check_index(aux_index, "aux_index")
+            aux_index = check_index(aux_index, "aux_index")
         if self.num_kv_indices is not None:
             raise ValueError(f"init() already called for room {self.bootstrap_room}")
         self.kv_mgr.init_room(self._handle, num_kv_indices)
@@ -133,7 +152,7 @@ class NixlKVSender:
                 ``num_kv_indices``, an empty chunk that is not the last one, or the room not
                 ready (no decode info yet). No state changes in any of these cases.
         """
-        arr = _as_indices(kv_indices, "kv_indices")
+        arr = _as_indices(kv_indices, "kv_indices", int(self.kv_mgr.kv_pool.shape[0]))
         if self.num_kv_indices is None:
             raise RuntimeError(f"send() before init() for room {self.bootstrap_room}")
         if self._send_failed or is_concluded(self.conclude_state):
@@ -141,8 +160,9 @@ class NixlKVSender:
         start = self._pages_sent
         if start + arr.size > self.num_kv_indices:
             raise ValueError(
-                f"room {self.bootstrap_room}: {start + arr.size} pages sent, "
-                f"num_kv_indices is {self.num_kv_indices}"
+                f"room {self.bootstrap_room}: {arr.size} more pages would make "
+                f"{start + arr.size} sent ({start} already), num_kv_indices is "
+                f"{self.num_kv_indices}"
             )
         is_last = start + int(arr.size) == self.num_kv_indices
         if arr.size == 0 and not is_last:

@@ -85,6 +85,7 @@ __all__ = [
     "DecodePeer",
     "FrameError",
     "LearntRoom",
+    "MetadataBytes",
     "NoticePage",
     "NoticeRecord",
     "NoticeStats",
@@ -274,6 +275,8 @@ class DecodePeer:
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
         max_failed_rooms: int = DEFAULT_MAX_FAILED_ROOMS,
     ) -> None:
+        """Make a :class:`DecodePeer`: every argument and what it raises are in the
+        class docstring (``help(DecodePeer)``)."""
         if type(max_failed_rooms) is not int or max_failed_rooms <= 0:
             raise TransportParamError(
                 f"max_failed_rooms must be a positive int, got {max_failed_rooms!r}"
@@ -1205,8 +1208,24 @@ def _copy_log(log: IO[bytes], fd: int, stderr: int | IO[Any] | None) -> None:
         pass
 
 
+class MetadataBytes(bytes):
+    """A peer's metadata bytes that can also be called: ``PeerProcess.metadata`` is read as
+    an attribute by existing callers and called as ``peer.metadata()`` like
+    :meth:`DecodePeer.metadata`, so one spelling works on both kinds of peer. Calling it
+    returns the same bytes (a plain ``bytes``). Thread-safety: immutable. Raises: nothing."""
+
+    __slots__ = ()
+
+    def __call__(self) -> bytes:
+        return bytes(self)
+
+
 class PeerProcess:
     """A :class:`DecodePeer` in a child process, controlled over its TCP control channel.
+
+    ``metadata`` holds the child's metadata once started (fetched again by ``restart``):
+    ``peer.metadata()``, as for an in-process :class:`DecodePeer`, or ``peer.metadata``
+    (bytes; the older spelling, kept) -- both give the bytes for ``NixlTransport.add_peer``.
 
     Starting costs ~1-3 s (the child imports torch and NIXL). ``close()`` always reaps the
     child: SIGCONT+SIGTERM, SIGKILL after ``term_grace_s``, then wait.
@@ -1257,6 +1276,8 @@ class PeerProcess:
         host: str = _HOST,
         env: Mapping[str, str] | None = None,
     ) -> None:
+        """Make a :class:`PeerProcess`: every argument and what it raises are in the
+        class docstring (``help(PeerProcess)``)."""
         if not _is_ipv4(host):
             raise PeerError(f"host must be an IPv4 address, got {host!r}")
         if netns is not None and host == _HOST:
@@ -1276,7 +1297,7 @@ class PeerProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.agent_name = ""
-        self.metadata = b""
+        self.metadata = MetadataBytes()
         self._start()
 
     # ------------------------------------------------------------------ lifecycle
@@ -1321,9 +1342,8 @@ class PeerProcess:
                     deadline = time.monotonic() + self._start_timeout
                     self.port = self._read_listening(proc, deadline)
                     self.agent_name = agent_name
-                    _, self.metadata = self._call(
-                        {"cmd": "metadata"}, timeout_s=self._start_timeout
-                    )
+                    _, blob = self._call({"cmd": "metadata"}, timeout_s=self._start_timeout)
+                    self.metadata = MetadataBytes(blob)
                 except PeerError as exc:
                     self.close()
                     tail = _log_tail(log)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from sender import _nixl
@@ -99,6 +100,21 @@ class TransportLike(Protocol):
         dst_region: str = "kv",
         timeout_s: float | None = None,
     ) -> TransferLike: ...
+
+
+def _out_of_range(kv_indices: Any, num_pages: int) -> str:
+    """The message for a chunk with a page outside ``[0, num_pages)``: the first such value
+    and its position (only on the error path: one more pass over the chunk)."""
+    values = np.asarray(kv_indices).reshape(-1)
+    bad = np.flatnonzero((values < 0) | (values >= num_pages))
+    if not bad.size:  # e.g. a page past the transport's int32 limit, caught by CheckedPages
+        return f"kv_indices out of range [0, {num_pages})"
+    position = int(bad[0])
+    more = f" (and {bad.size - 1} more)" if bad.size > 1 else ""
+    return (
+        f"kv_indices out of range [0, {num_pages}): {int(values[position])} at position "
+        f"{position}{more}"
+    )
 
 
 class ChunkPipeline:
@@ -171,7 +187,7 @@ class ChunkPipeline:
             except TransportParamError:
                 src_checked = None
             if src_checked is None or src_checked.max_page >= self._num_pages:
-                raise ValueError(f"kv_indices out of range [0, {self._num_pages})")
+                raise ValueError(_out_of_range(kv_indices, self._num_pages))
         rooms = self.rooms
         if self.workers:
             enqueue = self._queue.put if self.pool is None else self._enqueue_each

@@ -17,6 +17,15 @@ class KVPoll(IntEnum):
     Transferring = 3
     Success = 4
 
+    # An IntEnum prints as its int (``print(poll())`` said ``4``); it names itself here and
+    # still compares, hashes and all-reduces as the int (``KVPoll.Success == 4``).
+    def __str__(self) -> str:
+        return f"KVPoll.{self.name}"
+
+    def __format__(self, spec: str) -> str:
+        """``f"{status}"`` names it; a numeric spec (``f"{status:d}"``) formats the int."""
+        return str(self) if not spec else format(self.value, spec)
+
 
 def merge_status(current: KVPoll | None, update: KVPoll) -> KVPoll:
     """The status after ``update`` is applied to ``current``.

@@ -120,6 +120,16 @@ _DEVICE_LIMIT = 1 << 31
 # UCX writes by CMA (the sender's process_vm_writev), so a sender that has not yet noticed the
 # disconnect can land bytes after close(): measured up to ~1 ms later (docs/PROTOCOL.md).
 _RETIRED_GRACE_S = 0.25
+# How long close() keeps progressing the agent after the last send_notif before it removes
+# the peers. A notification is queued in UCX when send_notif returns and goes out only as
+# the agent's worker is progressed (get_new_notifs does; with nothing else polling, as after
+# a KVManager.close, the notices sat queued), and tearing the agent down cancels what is
+# still queued: the decode side never learns, and UCX prints "UCX AM send failed with status
+# -16 (Request canceled)" on stderr. Measured (50 queued notices, load 10-17 on 2 cores):
+# closing at once canceled all 50 in 3/3 runs; after 100 ms of sleep, in 3/5; after ~100 ms
+# of get_new_notifs every 1 ms, in 0/6. Best effort: a bound, not a delivery guarantee.
+_NOTIF_FLUSH_S = 0.25
+_NOTIF_FLUSH_POLL_S = 0.001
 
 
 # --------------------------------------------------------------------------- metadata
@@ -648,6 +658,8 @@ class NixlTransport:
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
     ) -> None:
+        """Make a :class:`NixlTransport`: every argument and what it raises are in the
+        class docstring (``help(NixlTransport)``)."""
         bindings = _nixl.require()
         if name is None:
             name = f"nixl-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -683,6 +695,9 @@ class NixlTransport:
         # once by close(). Guarded by _lock.
         self._refused_handles: list[int] = []
         self._n_release_refused = 0  # guarded by _lock
+        # monotonic time of the last send_notif that NIXL accepted; close() progresses the
+        # agent until _NOTIF_FLUSH_S after it. Guarded by _lock.
+        self._last_notif_at: float | None = None
         # Deregistered regions whose memory is kept alive until close(): a remote sender may
         # still hold their old metadata and write into them. Guarded by _lock.
         self._retired: list[_LocalRegion] = []
@@ -1210,6 +1225,9 @@ class NixlTransport:
             if _is_disconnect(exc):
                 peer.disconnected = True
             raise
+        sent_at = time.monotonic()
+        with self._lock:
+            self._last_notif_at = sent_at
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """New notifications since the last call: remote agent name -> messages, in order.
@@ -1273,6 +1291,13 @@ class NixlTransport:
         raise :class:`TransportClosedError`; polls of released transfers raise
         :class:`TransferReleasedError`.
 
+        Notifications sent shortly before: a ``send_notif`` only queues its message in UCX,
+        which sends it as the agent is progressed. When one was sent less than 0.25 s before,
+        close first progresses the agent (``get_new_notifs`` every 1 ms; notifications that
+        arrive then are dropped) until 0.25 s after it, so that the queued ones leave rather
+        than being canceled (UCX would print "AM send failed ... Request canceled" on stderr,
+        and the peer would never get them). Best effort, bounded by those 0.25 s.
+
         Thread-safety: safe from any thread; waits for in-flight polls/posts to return.
 
         Raises:
@@ -1289,6 +1314,9 @@ class NixlTransport:
                 prepped = [h for p in self._peers.values() for h in p.prepped.values()]
                 prepped += [r.prepped for r in regions]
                 agent = self._agent
+                last_notif = self._last_notif_at
+            if last_notif is not None:
+                _flush_notifs(agent, last_notif + _NOTIF_FLUSH_S)
             for t in transfers:
                 t.release()
             for handle in prepped:  # no post is in progress any more (released above)
@@ -1387,6 +1415,19 @@ def _memory_of(name: str, mem: torch.Tensor | npt.NDArray[Any]) -> tuple[int, in
     if mem.device.type == "cuda":
         return mem.data_ptr(), nbytes, "VRAM", mem.device.index or 0
     raise TransportParamError(f"region {name!r}: unsupported device {mem.device}")
+
+
+def _flush_notifs(agent: Any, until: float) -> None:
+    """Progress ``agent`` (``get_new_notifs``, received messages dropped) every
+    :data:`_NOTIF_FLUSH_POLL_S` until monotonic time ``until``, so that notifications it
+    queued are sent before it is torn down. Raises: nothing (a NIXL error ends it, logged)."""
+    while time.monotonic() < until:
+        try:
+            agent.get_new_notifs()
+        except Exception as exc:
+            logger.debug("progressing queued notifications before close: %s", exc)
+            return
+        time.sleep(_NOTIF_FLUSH_POLL_S)
 
 
 def _check_timeout(value: float, what: str) -> None:

@@ -104,6 +104,8 @@ class StagingBufferPool:
         lock: str = "mutex",
         debug: bool | None = None,
     ) -> None:
+        """Make a :class:`StagingBufferPool`: every argument and what it raises are in the
+        class docstring (``help(StagingBufferPool)``)."""
         for name, value in (
             ("num_slots", num_slots),
             ("slot_pages", slot_pages),

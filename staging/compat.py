@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, MutableSet, Sequence
 from collections.abc import Set as AbstractSet
@@ -118,23 +117,11 @@ class CompatStats:
 
 def _plain_index(value: object, what: str, bools: bool = False) -> int:
     """An id or index as an exact ``int`` >= 0: ``int``, or anything with ``__index__``
-    (``numpy.int64``); ``bool`` only if ``bools`` (then as 0/1). Raises: TypeError,
-    ValueError."""
-    if type(value) is int and value >= 0:  # the hot path
+    (``numpy.int64``); ``bool`` only if ``bools`` (then as 0/1). The shared validator
+    (:func:`staging.validate.check_index`). Raises: TypeError, ValueError."""
+    if type(value) is int and value >= 0:  # the hot path, without a call
         return value
-    if isinstance(value, bool) and not bools:
-        raise TypeError(f"{what} must be an int >= 0, got bool {value!r}")
-    try:
-        plain = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"{what} must be an int >= 0 (or an integer such as numpy.int64), "
-            f"got {type(value).__name__} {value!r}"
-        ) from None
-    plain = int.__index__(plain)  # int's own slot: an exact int
-    if plain < 0:
-        raise ValueError(f"{what} must be >= 0, got {plain}")
-    return plain
+    return check_index(value, what, bools=bools)
 
 
 def _room_id(value: object, bools: bool = False) -> int:
@@ -1071,6 +1058,8 @@ class CompatStagingContext:
         strict: bool = False,
         debug: bool | None = None,
     ) -> None:
+        """Make a :class:`CompatStagingContext`: every argument and what it raises are in the
+        class docstring (``help(CompatStagingContext)``)."""
         check_index(tombstones, "tombstones")
         core = _CompatCore(
             lock=lock, lock_timeout=lock_timeout, debug=debug, strict=strict, tombstones=tombstones

@@ -37,6 +37,7 @@ from staging.validate import (
     MAX_ID,
     check_chunk_idx,
     check_index,
+    check_indices,
     check_room_id,
     check_session_id,
 )
@@ -191,6 +192,8 @@ class StagingContext:
         debug: bool | None = None,
         strict: bool = False,
     ) -> None:
+        """Make a :class:`StagingContext`: every argument and what it raises are in the
+        class docstring (``help(StagingContext)``)."""
         if debug is not None and not isinstance(debug, bool):
             raise TypeError(f"debug must be True, False or None, got {debug!r}")
         if not isinstance(strict, bool):
@@ -411,7 +414,7 @@ class StagingContext:
         if type(chunk_idxs) is range and chunk_idxs.start >= 0 and chunk_idxs.step > 0:
             chunks = chunk_idxs  # every member an exact int >= 0 (the common call)
         else:
-            chunks = tuple(check_chunk_idx(chunk_idx) for chunk_idx in chunk_idxs)
+            chunks = check_indices(chunk_idxs, "chunk_idx")  # ints or integer-likes
         if type(session_id) is not str or not session_id:
             session_id = check_session_id(session_id)
         lock = self._lock

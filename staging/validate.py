@@ -8,27 +8,73 @@ for a value out of range. ``bool`` is refused where an ``int`` is expected (``Tr
 from __future__ import annotations
 
 import math
+import operator
 import threading
 
 
-def check_index(value: object, what: str) -> int:
-    """Return ``value`` as an exact ``int`` if it is an ``int`` >= 0 and not a ``bool``.
+def check_index(value: object, what: str, *, bools: bool = False) -> int:
+    """Return ``value`` as an exact ``int`` if it is an integer >= 0: an ``int``, or anything
+    ``operator.index`` accepts (``numpy.int64``, ``numpy.uint32``, a 0-d integer array),
+    but not a ``bool`` unless ``bools`` (then as 0/1).
 
-    An ``int`` subclass is normalised to a plain ``int`` (its ``__hash__``/``__eq__``, which
-    may be user code, must never run under a lock of the model: callers store the result).
+    The result is normalised to a plain ``int`` (an ``int`` subclass's or a numpy scalar's
+    ``__hash__``/``__eq__``, which may be user code, must never run under a lock of the
+    model: callers store the result). ``__index__`` runs here, before any lock. The staging
+    layer never imports numpy: this is the protocol numpy's integers implement.
 
     Raises:
-        TypeError: not an ``int``, or a ``bool``.
+        TypeError: no ``__index__`` (``float``, ``str``, ``numpy.float64``), or a ``bool``
+            (``numpy.bool_`` has no ``__index__`` either).
         ValueError: negative.
     """
     if type(value) is int and value >= 0:  # the common case, checked first
         return value
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int >= 0, got {type(value).__name__} {value!r}")
-    plain = int.__index__(value)  # int's own slot: an exact int, no user code
+    if isinstance(value, bool) and not bools:
+        raise TypeError(f"{what} must be an int >= 0, got bool {value!r}")
+    try:
+        plain = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"{what} must be an int >= 0 (or an integer such as numpy.int64), "
+            f"got {type(value).__name__} {value!r}"
+        ) from None
+    plain = int.__index__(plain)  # int's own slot: an exact int, no user code
     if plain < 0:
         raise ValueError(f"{what} must be >= 0, got {plain}")
     return plain
+
+
+def check_indices(values: object, what: str) -> tuple[int, ...]:
+    """Every element of ``values`` as an exact ``int`` >= 0 (:func:`check_index` each): any
+    iterable of integers, e.g. a list, a ``range`` or a 1-D numpy integer array (an object
+    with ``tolist()`` is converted by it first: one call instead of a scalar per element).
+
+    Raises:
+        TypeError: ``values`` is not iterable (a ``str`` or ``bytes`` is refused), or an
+            element is not an integer (named with its position).
+        ValueError: an element is negative (named with its position).
+    """
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{what} must be an iterable of ints, got {type(values).__name__}")
+    tolist = getattr(values, "tolist", None)
+    items = tolist() if callable(tolist) else values
+    if not isinstance(items, list):
+        try:
+            items = list(items)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"{what} must be an iterable of ints, got {type(values).__name__}"
+            ) from None
+    out: list[int] = []
+    for position, item in enumerate(items):
+        if type(item) is int and item >= 0:
+            out.append(item)
+            continue
+        try:
+            out.append(check_index(item, what))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{exc} (at position {position})") from None
+    return tuple(out)
 
 
 def check_seconds(

@@ -11,6 +11,11 @@ the OS and the GIL decide, so two runs with one seed do different numbers of ope
 (e.g. 97,280 and 68,342) and may interleave differently. On a FAIL the report ends with the
 exact command line that replays the failed scenarios with the same seed and options.
 
+Nothing touches the host's network unless asked: a scenario that creates network namespaces,
+veth pairs and ``tc`` shaping (``two-hosts``, which also needs root) runs only when it is
+named or ``--two-hosts`` is given; a plain ``python -m stress`` says it left it out.
+``make stress`` and ``make stress-quick`` pass ``--two-hosts``.
+
 Test-only: the hidden option ``--plant-bug NAME`` asks scenarios to swap in a deliberate bug
 (``staging-race`` knows ``resurrect``) so that tests can check a violation makes the exit
 status 1. It is not for normal use and is not shown by ``--help``.
@@ -158,8 +163,11 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
         "end; needs the 'metrics' extra",
     )  # fmt: skip
     parser.add_argument(
-        "--quick", action="store_true", help=f"~{QUICK_DURATION_S:g} s per scenario"
-    )
+        "--quick", action="store_true",
+        help=f"{QUICK_DURATION_S:g} s of load per scenario (its 'run s'); set-up and checks "
+        "add to it: a sender scenario starts and reaps decode peer processes, 5-20 s of wall "
+        "time each on 2 cores",
+    )  # fmt: skip
     parser.add_argument(
         "--progress", choices=("auto", "on", "off"), default="auto",
         help="live progress line on stderr (auto: only on a terminal)",
@@ -178,6 +186,11 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
     parser.add_argument(
         "--require-all", action="store_true",
         help=f"exit with status {EXIT_SKIPPED} when a scenario is skipped (cannot run here)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--two-hosts", action="store_true",
+        help="also run the scenarios that change this host's network (two-hosts: network "
+        "namespaces, veth pairs, tc shaping; needs root); naming one runs it too",
     )  # fmt: skip
     parser.add_argument("--plant-bug", default=None, help=argparse.SUPPRESS)
     return parser
@@ -202,6 +215,12 @@ def config_from_args(args: argparse.Namespace, seed: int) -> StressConfig:
     )
 
 
+def touches_host_network(scenario: Scenario) -> bool:
+    """``True`` for a scenario that changes this host's network (its ``host_network``
+    attribute): run only when named or with ``--two-hosts``. Raises: nothing."""
+    return getattr(scenario, "host_network", False) is True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (argparse exits 2 itself on bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -221,13 +240,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown scenario {name!r}; choose from {sorted(registered())}")
         chosen[name] = found
     skipped: dict[str, str] = {}
+    left_out: list[str] = []
     if not chosen:
         chosen, skipped = registered(), skipped_scenarios()
+        if not args.two_hosts:
+            left_out = [n for n, s in chosen.items() if touches_host_network(s)]
+            chosen = {n: s for n, s in chosen.items() if n not in left_out}
+    elif args.two_hosts:
+        chosen |= {n: s for n, s in registered().items() if touches_host_network(s)}
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     config = config_from_args(args, seed)
     print(f"seed: {seed}", flush=True)
     for name, why in skipped.items():
         print(f"note: skipping scenario {name!r}: it {why}", flush=True)
+    for name in left_out:
+        print(
+            f"note: not running scenario {name!r}: it changes this host's network (network "
+            "namespaces, veth pairs, tc); name it or pass --two-hosts",
+            flush=True,
+        )
     if args.metrics:
         why_not = metrics_sink.enable()
         if why_not is not None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -481,3 +482,32 @@ def test_callgrind_child_runs_natively() -> None:
     assert ready == "READY"
     plan = instructions.parse_windows(windows)
     assert plan == [(w.name, w.rooms(2)) for w in child.windows(2)]
+
+
+def test_a_plain_run_leaves_the_host_network_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m bench`` (and ``--quick``) with no name leaves ``two-hosts`` out and says
+    so; ``--two-hosts`` or its name runs it (``make bench-quick`` passes the flag)."""
+    import bench.cli as cli
+    from bench._harness import BenchResult
+
+    ran: list[str] = []
+
+    def fake_run_one(spec: Any, quick: bool, out: Any) -> BenchResult:
+        ran.append(spec.name)
+        return BenchResult(name=spec.name, title=spec.summary, status="pending")
+
+    monkeypatch.setattr(cli, "_run_one", fake_run_one)
+    everything = [s.name for s in BENCHMARKS if s.name != "two-hosts"]
+    for args, want in (
+        (["--quick"], everything),
+        ([], everything),
+        (["--quick", "--two-hosts"], [*everything, "two-hosts"]),
+        (["two-hosts"], ["two-hosts"]),
+        (["purge-scaling", "--two-hosts"], ["purge-scaling", "two-hosts"]),
+    ):
+        ran.clear()
+        out = io.StringIO()
+        assert main(args, out=out) == 0
+        assert ran == want, args
+        noted = "not running 'two-hosts': it changes this host's network" in out.getvalue()
+        assert noted is ("two-hosts" not in want), args

@@ -147,9 +147,14 @@ def run_blocked(blocked: tuple[str, ...], code: str) -> subprocess.CompletedProc
     )
 
 
+NIXL_BACKENDS = ("nixl_cu13", "nixl_cu12")
+
+
 @pytest.mark.parametrize("missing", EXTRA_MODULES)
 def test_import_sender_without_the_extra_names_it(missing: str) -> None:
-    proc = run_blocked((missing,), "import sender")
+    # "nixl" is missing only when no backend wheel stands in for the meta package either.
+    blocked = (missing, *NIXL_BACKENDS) if missing == "nixl" else (missing,)
+    proc = run_blocked(blocked, "import sender")
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1] == (
         f"ModuleNotFoundError: the sender needs the 'sender' extra (missing: {missing}): "
@@ -175,3 +180,43 @@ def test_stress_without_the_extra_runs_staging_and_names_it_for_sender_scenarios
     proc = run_blocked(EXTRA_MODULES, code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "result: PASS" in proc.stdout
+
+
+def test_single_backend_extras_are_the_sender_extra_with_one_nixl_wheel() -> None:
+    """``sender-cu13``/``sender-cu12``: the ``sender`` extra with one backend wheel in place
+    of the ``nixl`` meta package (which installs both): 1.2 GB instead of 1.5 GB in a fresh
+    venv with CPU torch (README). Ranges, pinned inside by requirements.lock."""
+    extras = pyproject()["project"]["optional-dependencies"]
+    sender = requirements(extras["sender"])
+    pins = lock_pins()
+    for variant in ("cu13", "cu12"):
+        extra = requirements(extras[f"sender-{variant}"])
+        assert set(extra) == {"torch", "numpy", f"nixl-{variant}"}, sorted(extra)
+        assert extra["torch"].specifier == sender["torch"].specifier
+        assert extra["numpy"].specifier == sender["numpy"].specifier
+        backend = extra[f"nixl-{variant}"]
+        assert backend.specifier == sender["nixl"].specifier
+        assert backend.specifier.contains(pins[f"nixl-{variant}"])
+    from sender import NIXL_BACKENDS as declared
+
+    assert declared == NIXL_BACKENDS
+
+
+def test_without_the_meta_package_the_sender_imports_its_backend() -> None:
+    """An install of one backend wheel has no ``nixl`` module: ``sender._nixl`` imports the
+    backend itself (the meta package would pick the same one without CUDA)."""
+    import importlib.util
+
+    present = [b for b in NIXL_BACKENDS if importlib.util.find_spec(b) is not None]
+    if not present:
+        pytest.skip("no NIXL backend wheel installed")
+    code = (
+        "import sender\n"
+        "from sender import _nixl\n"
+        "print(_nixl.AVAILABLE, _nixl.BACKEND_MODULE)\n"
+        "from sender.transport import NixlTransport\n"
+        "NixlTransport('no-meta').close()\n"
+    )
+    proc = run_blocked(("nixl",), code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", present[0]], proc.stdout

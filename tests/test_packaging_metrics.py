@@ -1,5 +1,6 @@
 """The optional ``metrics`` extra: ``prometheus-client`` as a range, pinned in
-``requirements.lock``, outside the core and the ``sender`` extra; without it,
+``requirements.lock``, outside the core and the ``sender`` extra, plus the ``sender`` extra
+itself (``nixl-staging[sender]``); without it,
 ``sender.metrics`` fails with one line naming the extra and ``sender.events`` still imports."""
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ def test_metrics_extra_is_a_range_pinned_in_the_lock_and_not_in_the_core() -> No
     project = _project()
     extras = project["optional-dependencies"]
     assert isinstance(extras, dict)
-    (req,) = (Requirement(r) for r in extras["metrics"])
-    assert req.name == "prometheus-client"
+    reqs = {Requirement(r).name: Requirement(r) for r in extras["metrics"]}
+    assert set(reqs) == {"prometheus-client", "nixl-staging"}, sorted(reqs)
+    # The metrics are a sender's: the extra implies the sender extra (pip resolves the
+    # self-reference), so `pip install 'nixl-staging[metrics]'` alone is enough.
+    assert reqs["nixl-staging"].extras == {"sender"} and not reqs["nixl-staging"].specifier
+    req = reqs["prometheus-client"]
     ops = {s.operator for s in req.specifier}
     assert ops & {">=", ">"} and ops & {"<", "<="}, f"{req}: want both bounds"
     pins = {}

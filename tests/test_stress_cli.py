@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -180,3 +181,58 @@ def test_help_documents_every_option_and_its_default() -> None:
         if action.default not in (None, False, argparse.SUPPRESS):
             assert f"(default: {action.default})" in text, action.option_strings
     assert "--lock {rw,mutex} lock kind" in text and "--progress {auto,on,off} live" in text
+
+
+def _ran_by_main(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[list[str], str]:
+    """The scenarios ``main(args)`` would run (each stubbed to an instant SKIP: nothing of a
+    scenario runs, so no namespace, veth or tc rule is made), and what it printed."""
+    import stress.cli as cli
+    from stress.framework import skipped_result
+
+    ran: list[str] = []
+
+    def fake_run(scenario: Any, config: Any, **_: Any) -> Any:
+        ran.append(scenario.name)
+        return skipped_result(scenario.name, "stubbed by the test", config)
+
+    monkeypatch.setattr(cli, "run_scenario", fake_run)
+    assert cli.main([*args, "--native-stderr", "pass", "--sender-log", "show"]) == 0
+    return ran, capsys.readouterr().out
+
+
+def test_a_plain_run_leaves_the_host_network_alone(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m stress`` with no scenario named runs every scenario but ``two-hosts`` (it
+    creates network namespaces, veths and tc shaping as root) and says so; the flag or the
+    name brings it back (``make stress`` passes the flag)."""
+    from stress.framework import registered
+
+    everything = [n for n in registered() if n != "two-hosts"]
+    ran, out = _ran_by_main(monkeypatch, capsys)
+    assert ran == everything and "two-hosts" not in ran
+    assert "not running scenario 'two-hosts': it changes this host's network" in out
+    ran, out = _ran_by_main(monkeypatch, capsys, "--two-hosts")
+    assert ran == [*everything, "two-hosts"] and "not running" not in out
+    ran, _ = _ran_by_main(monkeypatch, capsys, "two-hosts")
+    assert ran == ["two-hosts"]
+    ran, _ = _ran_by_main(monkeypatch, capsys, "staging-race", "--two-hosts")
+    assert ran == ["staging-race", "two-hosts"]
+
+
+def test_make_stress_asks_for_two_hosts() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    for target in ("stress", "stress-quick", "bench", "bench-quick"):
+        recipe = re.search(rf"^{target}: .*\n\t(.*)$", makefile, re.MULTILINE)
+        assert recipe is not None and "--two-hosts" in recipe.group(1), target
+
+
+def test_quick_says_what_its_two_seconds_are() -> None:
+    """``--quick`` bounds the load window, not the wall time (peer-faults --quick took 10 s
+    on a quiet 2-core machine, 17 s on a loaded one): the help says so."""
+    from stress.cli import build_parser
+
+    text = " ".join(build_parser(list_scenarios=False).format_help().split())
+    assert "2 s of load per scenario" in text and "~2 s per scenario" not in text

@@ -244,6 +244,9 @@ class TwoHosts:
     )
     default_duration = 30.0
     invariants = INVARIANTS
+    host_network = True
+    """It changes this host's network (namespaces, veths, ``tc``): it runs only when named
+    or with ``--two-hosts`` (``stress.cli``), never in a plain ``python -m stress``."""
 
     def run(self, config: StressConfig, monitor: Monitor) -> ScenarioMetrics:
         """Run the plan (``--quick``: every fault once at 1 Gbit/s; else at 1 and 10 Gbit/s
