@@ -82,6 +82,7 @@ import numpy as np
 from sender.driver import RoomOutcome, SchedulerDriver
 from sender.peer import PeerError, PeerProcess, page_digest_bytes
 from sender.poll import KVPoll
+from sender.stamps import StampedSources
 from staging.context import RoomHandle
 from stress.framework import JSONValue, Monitor, ScenarioMetrics, StressConfig, register
 from stress.invariants import DECODE_PAGE_AUDIT, NO_LEAK, describe
@@ -165,6 +166,10 @@ during each fault and never returned (``no-leak``). ``no-repair``: the fault is 
 repaired (``recovered``). ``no-tcp``: UCX may use shared memory/CMA (``UCX_TLS`` unset on
 both sides; the net devices stay restricted): the bytes bypass the link
 (``over-the-link``). ``no-notices``: the managers send no room notice (``decode-told``)."""
+WATCH_STAMPS_S = 0.002
+"""The decode peer scans its page headers this often and logs every stamped write that
+landed (:mod:`sender.landings`; ~2 % of a core): a page audit finding quotes the page's log,
+so it names the writes that really landed there and when."""
 NOTICE_ROOMS = 32
 """Rooms of the room-notice round at each link rate (about half of them aborted)."""
 NOTICE_ABORT_RATE = 0.5
@@ -554,6 +559,7 @@ class NetnsRig(SenderRig):
                     netns=link.netns,
                     host=link.peer_addr,
                     env=link.peer_env() if peer_env is None else peer_env,
+                    watch_stamps_s=WATCH_STAMPS_S,
                 )
                 self._stack.callback(peer.close)
                 self.peers[sid] = peer
@@ -630,6 +636,8 @@ class _Child:
                 rig = NetnsRig(self.config, (SESSION,), PEER_PAGES, self.link, peer_env)
             try:
                 self._rig = rig
+                rig.audit.read = self._read
+                rig.audit.explain = self._landings_text
                 self._phases(rig)
             finally:
                 self._rig = None
@@ -690,6 +698,39 @@ class _Child:
                 raise PeerError("the harness reads no pages while the fault is on")
             return self._rig.digest(session_id, pages)
 
+    def _read(self, session_id: str, pages: Sequence[int]) -> bytes:
+        """The pages' bytes at the peer (the page audit reads a violating page's stamp)."""
+        with self._rpc_gate:
+            if self.control_down.is_set() or self._rig is None:
+                raise PeerError("the harness reads no pages while the fault is on")
+            rig = self._rig
+            with rig.peer_lock:
+                peer = rig.peers[session_id]
+            return peer.read_pages(list(pages))
+
+    def _landings_text(self, session_id: str, page: int) -> str:
+        """The peer's log of the stamped writes that landed on ``page`` (its current process
+        only: a killed one took its log along), for a page audit finding."""
+        with self._rpc_gate:
+            if self.control_down.is_set() or self._rig is None:
+                return ""
+            rig = self._rig
+            with rig.peer_lock:
+                peer = rig.peers[session_id]
+            got = [r for r in peer.landings() if r.page == page]
+        if not got:
+            return f"no stamped write landed on page {page} in the peer's current process"
+        shown = "; ".join(
+            f"{r.at:.3f}: "
+            + (
+                "no stamp (zeroed)"
+                if r.room < 0
+                else f"room {r.room} gen {r.generation} chunk {r.chunk} (for page {r.dst_page})"
+            )
+            for r in got[-8:]
+        )
+        return f"landed on page {page} ({len(got)} in the current process, last 8): {shown}"
+
     def _cut_control(self) -> None:
         """Stop reading pages at the peer (its control channel shares the link) and wait for
         a read in progress to finish."""
@@ -714,7 +755,12 @@ class _Child:
         track = self.track
         mgr = rig.mgr
         monitor = self.monitor
-        driver = SchedulerDriver(mgr, {SESSION: ROOM_PAGES}, self._digest)
+        # Stamped sources: each room's bytes name its opening, chunk and intended decode page,
+        # so whatever the page audit finds names its writer (rooms sharing prefill pages made
+        # a digest name only a prefill page). Fresh per phase: a phase ends fully drained.
+        # The canary's source pages stay out.
+        sources = StampedSources(rig.kv, range(CANARY_PAGES, rig.kv.shape[0]))
+        driver = SchedulerDriver(mgr, {SESSION: ROOM_PAGES}, self._digest, sources=sources)
 
         def on_admit(handle: RoomHandle, _abort: bool) -> None:
             track.handles[handle.room] = handle
