@@ -82,7 +82,7 @@ import numpy as np
 from sender.driver import RoomOutcome, SchedulerDriver
 from sender.peer import PeerError, PeerProcess, page_digest_bytes
 from sender.poll import KVPoll
-from sender.stamps import StampedSources
+from sender.stamps import StampedSources, read_stamp
 from staging.context import RoomHandle
 from stress.framework import JSONValue, Monitor, ScenarioMetrics, StressConfig, register
 from stress.invariants import DECODE_PAGE_AUDIT, NO_LEAK, describe
@@ -402,6 +402,9 @@ def format_phases(result: dict[str, Any]) -> str:
                 f"{cell(idle['p99'])} ms); send->learnt p50 {cell(dlv['p50'])} / p99 "
                 f"{cell(dlv['p99'])} ms"
             )
+    for ph in result.get("phases", []):
+        for text in ph.get("verify_failed_detail") or ():
+            lines.append(f"{ph.get('kind')}: bytes differ: {text}")
     if result.get("partition_behaviour"):
         lines.append(f"partition: {result['partition_behaviour']}")
     if result.get("skipped"):
@@ -577,6 +580,9 @@ class _Track:
     outcomes: list[RoomOutcome] = field(default_factory=list)
     last_user: dict[int, tuple[int, KVPoll | None]] = field(default_factory=dict)
     early_reuse: list[str] = field(default_factory=list)
+    # Per Success room whose bytes differed at the peer: what its pages held (their stamps)
+    # and the peer's log of what landed on them (bytes-verified says only "differ").
+    verify_detail: list[str] = field(default_factory=list)
     streak: int = 0
 
 
@@ -708,6 +714,28 @@ class _Child:
                 peer = rig.peers[session_id]
             return peer.read_pages(list(pages))
 
+    def _verify_detail(self, o: RoomOutcome) -> str:
+        """What the pages of a Success room whose bytes differed hold: each page's stamp and
+        the peer's log of the writes that landed on it. Never raises (a diagnostic)."""
+        try:
+            data = self._read(o.session_id, list(o.dst_pages))
+            got = self._digest(o.session_id, list(o.dst_pages))
+        except Exception as exc:  # the peer went away meanwhile
+            return f"room {o.room} gen {o.generation}: pages unreadable ({exc!r})"
+        parts: list[str] = []
+        for i, page in enumerate(o.dst_pages):
+            if i < len(o.sent_digests) and got[i] == o.sent_digests[i]:
+                continue
+            stamp = read_stamp(data[i * PAGE_BYTES : (i + 1) * PAGE_BYTES])
+            try:
+                log = self._landings_text(o.session_id, page)
+            except Exception as exc:  # a diagnostic only
+                log = f"landings unreadable ({exc!r})"
+            parts.append(f"page {page} (chunk {i}) holds {stamp or 'no stamp'}; {log}")
+        return f"room {o.room} gen {o.generation} (admitted {o.started_at:.3f}): " + (
+            " | ".join(parts) if parts else "every page matches now (the bytes landed late)"
+        )
+
     def _landings_text(self, session_id: str, page: int) -> str:
         """The peer's log of the stamped writes that landed on ``page`` (its current process
         only: a killed one took its log along), for a page audit finding."""
@@ -775,6 +803,8 @@ class _Child:
                 track.streak += 1
             else:
                 track.streak = 0
+            if o.status is KVPoll.Success and o.verified is False:
+                track.verify_detail.append(self._verify_detail(o))
             if o.status is KVPoll.Failed and self._on_failed is not None:
                 self._on_failed()
 
@@ -1007,6 +1037,7 @@ class _Child:
                 "corruption": after.get(DECODE_PAGE_AUDIT, 0) - before.get(DECODE_PAGE_AUDIT, 0),
                 "verify_failures": after.get(BYTES_VERIFIED, 0) - before.get(BYTES_VERIFIED, 0),
                 "early_reuse": len(track.early_reuse),
+                "verify_failed_detail": list(track.verify_detail),
             }
         )
         return figures
