@@ -61,6 +61,16 @@ are measured, not assumed.
 
 The harness reads decode pages over the peer's control channel, which shares the link: it
 stops reading while a fault is on (a read in progress finishes first).
+
+Attribution: rooms send *stamped* source pages of their own (:mod:`sender.stamps`: the bytes
+name the opening, the chunk and the intended decode page), and the decode peer logs every
+stamped write that lands on its pages (:mod:`sender.landings`, every
+:data:`WATCH_STAMPS_S`). A ``decode-page-audit`` finding therefore names the write that put
+the bytes there (stale: a room given the page before the verified one; misdirected: bytes
+meant for another page) and quotes the page's landing log; a Success room whose bytes differ
+gets the same detail in its phase's ``verify_failed_detail``. (Before, rooms sampled one
+shared KV pool, so a digest named a prefill page that many rooms had sent, and the audit
+pinned it on the last one in the page's history.)
 """
 
 from __future__ import annotations
