@@ -55,11 +55,19 @@ class LandingLog:
     def __init__(
         self, pool: npt.NDArray[np.uint8], interval_s: float, max_records: int = 200_000
     ) -> None:
-        if pool.ndim != 2 or pool.shape[1] < STAMP_BYTES or not interval_s > 0:
-            raise ValueError("need a [pages, >= 32] pool and interval_s > 0")
+        if (
+            pool.ndim != 2
+            or pool.shape[1] < STAMP_BYTES
+            or pool.shape[1] % 8
+            or not pool.flags.c_contiguous
+            or not interval_s > 0
+        ):
+            raise ValueError("need a C-contiguous [pages, >= 32 (x 8)] pool and interval_s > 0")
         self._pool = pool
+        # The headers as 4 uint64 words per page: one cheap compare per scan.
+        self._words = pool.view(np.uint64)[:, : STAMP_BYTES // 8]
         self._interval = float(interval_s)
-        self._last = pool[:, :STAMP_BYTES].copy()  # scanner thread only
+        self._last = self._words.copy()  # scanner thread only
         self._lock = threading.Lock()
         self._records: deque[Landing] = deque(maxlen=max_records)  # guarded by _lock
         self._seq = 0  # guarded by _lock
@@ -71,13 +79,13 @@ class LandingLog:
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
             now = time.monotonic()
-            head = self._pool[:, :STAMP_BYTES]
+            head = self._words
             changed = np.nonzero((head != self._last).any(axis=1))[0]
             self.scans += 1
             if not changed.size:
                 continue
-            rows = head[changed].copy()
-            self._last[changed] = rows
+            self._last[changed] = head[changed]
+            rows = self._pool[changed, :STAMP_BYTES]
             with self._lock:
                 for page, row in zip(changed.tolist(), rows, strict=True):
                     st = read_stamp(row.tobytes())

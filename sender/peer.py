@@ -366,6 +366,11 @@ class DecodePeer:
             self._pool_t = torch.from_numpy(self._pool_np)
         return self._pool_t
 
+    def pool_array(self) -> npt.NDArray[np.uint8] | None:
+        """The registered CPU pool as its numpy array (no torch import); ``None`` for a
+        device pool."""
+        return self._pool_np
+
     @property
     def transport(self) -> NixlTransport:
         """The peer's own transport (tests use it for stats)."""
@@ -1131,8 +1136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     peer = DecodePeer(name, args.pages, args.page_bytes, device=args.device)
     watch: LandingLog | None = None
     try:
-        if args.watch_stamps is not None:
-            watch = LandingLog(peer.pool.numpy(), args.watch_stamps)
+        arr = peer.pool_array()
+        if args.watch_stamps is not None and arr is not None:  # a CPU pool (device: no log)
+            watch = LandingLog(arr, args.watch_stamps)
         try:
             server = PeerServer(peer, int(port_s), host=host)
             server.landings = watch

@@ -176,9 +176,9 @@ during each fault and never returned (``no-leak``). ``no-repair``: the fault is 
 repaired (``recovered``). ``no-tcp``: UCX may use shared memory/CMA (``UCX_TLS`` unset on
 both sides; the net devices stay restricted): the bytes bypass the link
 (``over-the-link``). ``no-notices``: the managers send no room notice (``decode-told``)."""
-WATCH_STAMPS_S = 0.002
+WATCH_STAMPS_S = 0.01
 """The decode peer scans its page headers this often and logs every stamped write that
-landed (:mod:`sender.landings`; ~2 % of a core): a page audit finding quotes the page's log,
+landed (:mod:`sender.landings`; ~1-2 % of a core on these machines): a page audit finding quotes the page's log,
 so it names the writes that really landed there and when."""
 NOTICE_ROOMS = 32
 """Rooms of the room-notice round at each link rate (about half of them aborted)."""
