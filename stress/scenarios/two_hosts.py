@@ -178,8 +178,9 @@ both sides; the net devices stay restricted): the bytes bypass the link
 (``over-the-link``). ``no-notices``: the managers send no room notice (``decode-told``)."""
 WATCH_STAMPS_S = 0.01
 """The decode peer scans its page headers this often and logs every stamped write that
-landed (:mod:`sender.landings`; ~1-2 % of a core on these machines): a page audit finding quotes the page's log,
-so it names the writes that really landed there and when."""
+landed (:mod:`sender.landings`; ~1-2 % of a core on these machines): a page audit finding
+quotes the page's log, so it names the writes that really landed there and when (two
+landings on one page within a period show as the last)."""
 NOTICE_ROOMS = 32
 """Rooms of the room-notice round at each link rate (about half of them aborted)."""
 NOTICE_ABORT_RATE = 0.5
