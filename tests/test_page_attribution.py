@@ -241,7 +241,9 @@ def test_planted_stale_write_over_real_nixl_is_caught_and_named(
     injector = FaultInjectingTransport(sender_pool.transport, seed=5)
     aborted: set[int] = set()
     injector.set_delay(1.0, 0.3, select=lambda n: _room_of(n) in aborted)
-    sources = StampedSources(sender_pool.pool)
+    # Few source pages, so each is stamped again soon after its room released it: a stamp
+    # handed out again too early would be caught (a late write then carries a new stamp).
+    sources = StampedSources(sender_pool.pool, range(12))
     digest = lambda s, p: decode_peer.page_digest(list(p))  # noqa: E731
     try:
         with KVManager(injector, sender_pool.pool, num_workers=4, transfer_timeout_s=5.0) as mgr:
@@ -279,39 +281,12 @@ def test_planted_stale_write_over_real_nixl_is_caught_and_named(
         assert found == [] and result.verify_failures == 0
         return
     assert found, "the planted stale writes were not caught"
+    # A stale write carries what its source page holds when it is posted: the aborted
+    # room's own stamp (a stale write to its old page), or, once the quarantine also gave
+    # its source page to a later room, that room's stamp (bytes meant for another page; a
+    # room still in flight is not recorded yet: "bytes of no room", named by the stamp).
     for text in found:
-        assert "cross-room overwrite" in text and "(Failed) sent it" in text, text
         assert "its stamp names room" in text, text
-        named = int(text.split("its stamp names room ")[1].split()[0])
-        assert named in aborted, text
-
-
-@requires_nixl
-@pytest.mark.nixl
-@pytest.mark.timeout(90)
-def test_peer_process_logs_the_stamped_writes_that_land(sender_pool: SenderPool) -> None:
-    """A decode peer process started with ``--watch-stamps`` logs each stamped write that
-    lands on its pages (page, opening, chunk, intended page, time); without it the
-    ``landings`` command is refused."""
-    from sender.peer import PeerError, PeerProcess
-
-    sources = StampedSources(sender_pool.pool)
-    src = sources.take(2)
-    sources.stamp(7, 70, src.tolist(), [3, 5])
-    with PeerProcess(8, sender_pool.pool.shape[1], watch_stamps_s=0.002) as peer:
-        sender_pool.transport.add_peer("w", peer.metadata)
-        before = time.monotonic()
-        sender_pool.transport.write_pages("w", src, [3, 5], timeout_s=10).wait(10)
-        end = time.monotonic() + 10
-        while len(peer.landings()) < 2 and time.monotonic() < end:
-            time.sleep(0.01)
-        got = sorted(peer.landings(), key=lambda r: r.page)
-        assert [(r.page, r.room, r.generation, r.chunk, r.dst_page) for r in got] == [
-            (3, 7, 70, 0, 3),
-            (5, 7, 70, 1, 5),
-        ]
-        assert all(r.at >= before for r in got)  # one monotonic clock for both processes
-        assert peer.landings(since=max(r.seq for r in got)) == []
-        sender_pool.transport.remove_peer("w")
-    with PeerProcess(2, 4096) as plain, pytest.raises(PeerError, match="watch"):
-        plain.landings()
+    stale = [t for t in found if "cross-room overwrite" in t and "(Failed) sent it" in t]
+    named = {int(t.split("its stamp names room ")[1].split()[0]) for t in stale}
+    assert named <= aborted, found
