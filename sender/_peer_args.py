@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="once listening, write stderr (and stdout) to this inherited descriptor instead "
         "(PeerProcess keeps what came before, to report a failed start)",
     )
+    ap.add_argument(
+        "--watch-stamps",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="log every stamped write that lands in the pool (its page headers scanned this "
+        "often; the 'landings' command returns the log): an investigation aid, off by default",
+    )
     return ap
 
 

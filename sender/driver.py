@@ -33,6 +33,7 @@ from sender.errors import TRANSPORT_ERRORS, KVTransferError
 from sender.manager import KVManager, TransferInfo, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
+from sender.stamps import StampedSources
 from staging.context import RoomHandle
 from staging.errors import LockTimeoutError
 
@@ -197,6 +198,9 @@ class RoomOutcome:
     ``"staging_pool"`` while a worker still holds a slot for it). ``started_at``: when it was
     admitted (``time.monotonic()``); ``dst_pages``/``src_pages``: its decode destination and
     prefill source pages, in room order (what the page audit of the stress suite needs).
+    ``generation``: the opening's generation. ``sent_digests``: with stamped sources
+    (``SchedulerDriver(sources=...)``), the digest of each stamped page the room sent, in
+    room order (what each of its decode pages holds once it succeeded); empty otherwise.
     """
 
     room: int
@@ -212,6 +216,8 @@ class RoomOutcome:
     src_pages: tuple[int, ...] = ()
     draining: int = 0
     short_info: bool = False
+    generation: int = -1
+    sent_digests: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +281,7 @@ class _Active:
     short_info: bool = False
     abort_after: int | None = None  # abort once this many chunks were sent
     sent_at: float = 0.0  # when the last chunk was sent
+    expected: list[str] | None = None  # digests of the stamped source pages
 
 
 @dataclass(slots=True)
@@ -284,6 +291,7 @@ class _Held:
     handle: RoomHandle
     pages: np.ndarray
     release_at: float | None  # quarantine rule: when; None: drain rule
+    src: np.ndarray | None = None  # stamped source pages, released with them
 
 
 @dataclass(slots=True)
@@ -302,6 +310,11 @@ class SchedulerDriver:
         bootstrap: where late transfer infos go (``DriverConfig.late_info_rate``); ``None``
             adds them inline right after ``init()``.
         sender_factory: how to make a sender (default :class:`NixlKVSender`).
+        sources: give each room source pages of its own, stamped with its opening and
+            chunk (:class:`~sender.stamps.StampedSources`): the bytes found at a decode page
+            then name their writer, and each room is verified against its own stamped
+            digests. Its pages return with the room's destination pages (the drain rule).
+            ``None``: rooms sample the shared KV pool.
 
     The free/held destination pages persist across ``run`` calls, so pages of a room still
     draining when one run returns are not handed out by the next.
@@ -326,9 +339,11 @@ class SchedulerDriver:
         *,
         bootstrap: BootstrapFn | None = None,
         sender_factory: SenderFactory = NixlKVSender,
+        sources: StampedSources | None = None,
     ) -> None:
         if not sessions:
             raise ValueError("at least one session is needed")
+        self.sources = sources
         self.mgr = mgr
         self.sessions = dict(sessions)
         self.digest = digest
@@ -417,11 +432,16 @@ class SchedulerDriver:
                 pool = pools[sid]
                 if len(pool.free) < need:
                     break
+                if self.sources is not None and self.sources.available() < need:
+                    break
                 take = pool.free.pop if cfg.reuse == "lifo" else pool.free.popleft
                 dst = np.array([take() for _ in range(need)], dtype=np.int64)
                 if self.before_reuse is not None:
                     self.before_reuse(sid, dst.tolist())
-                src = np.array(rng.sample(range(kv_pages), need), dtype=np.int64)
+                if self.sources is not None:
+                    src = self.sources.take(need)
+                else:
+                    src = np.array(rng.sample(range(kv_pages), need), dtype=np.int64)
                 room = cfg.room_base + next_room
                 next_room += 1
                 late = cfg.late_info_rate > 0 and chaos.random() < cfg.late_info_rate
@@ -437,10 +457,10 @@ class SchedulerDriver:
                     sender = self.sender_factory(self.mgr, room, [sid], infos)
                 except LockTimeoutError:  # a documented refusal under lock_timeout
                     refused += 1
-                    pool.free.extend(int(p) for p in dst)
+                    self._unused(pool, dst, src)
                     continue
                 except RuntimeError as exc:
-                    pool.free.extend(int(p) for p in dst)
+                    self._unused(pool, dst, src)
                     if "closed" in str(exc).lower():  # the manager was closed: stop admitting
                         refused += 1
                         admitting = False
@@ -449,8 +469,14 @@ class SchedulerDriver:
                     continue
                 except Exception as exc:  # bad config or a programming error: recorded
                     escaped.append(f"room {room} setup: {exc!r}")
-                    pool.free.extend(int(p) for p in dst)
+                    self._unused(pool, dst, src)
                     continue
+                expected: list[str] | None = None
+                if self.sources is not None:  # before any chunk of the room is sent
+                    handle0 = sender.handle
+                    expected = self.sources.stamp(
+                        room, handle0.generation, src.tolist(), dst.tolist()
+                    )
                 # A late info goes to the bootstrap thread before or after init(): whichever
                 # comes first, too few destination pages must be refused cleanly.
                 info_first = late and chaos.random() < 0.5
@@ -465,12 +491,12 @@ class SchedulerDriver:
                     else:
                         refused += 1
                     sender.clear()
-                    self._hold(pool, sender.handle, dst, None)
+                    self._hold(pool, sender.handle, dst, None, src)
                     continue
                 except Exception as exc:  # init must accept a count its infos can hold
                     escaped.append(f"room {room} init({need}): {exc!r}")
                     sender.clear()
-                    self._hold(pool, sender.handle, dst, None)
+                    self._hold(pool, sender.handle, dst, None, src)
                     continue
                 with self._live_lock:
                     self._live[room] = sender.handle
@@ -486,6 +512,7 @@ class SchedulerDriver:
                         awaiting_info=late,
                         short_info=short,
                         abort_after=abort_after,
+                        expected=expected,
                     )
                 )
                 if late and not info_first:
@@ -592,9 +619,26 @@ class SchedulerDriver:
             return 1
 
     def _hold(
-        self, pool: _DstPool, handle: RoomHandle, pages: np.ndarray, release_at: float | None
+        self,
+        pool: _DstPool,
+        handle: RoomHandle,
+        pages: np.ndarray,
+        release_at: float | None,
+        src: np.ndarray | None = None,
     ) -> None:
-        pool.held.append(_Held(handle, pages, release_at))
+        pool.held.append(_Held(handle, pages, release_at, src))
+
+    def _unused(self, pool: _DstPool, dst: np.ndarray, src: np.ndarray) -> None:
+        """Pages taken for a room that never opened (nothing of it was sent)."""
+        pool.free.extend(int(p) for p in dst)
+        if self.sources is not None:
+            self.sources.give_back(src.tolist())
+
+    def _free(self, pool: _DstPool, dst: np.ndarray, src: np.ndarray | None) -> None:
+        """A concluded room's pages, safe now: back to the free pools."""
+        pool.free.extend(int(p) for p in dst)
+        if self.sources is not None and src is not None:
+            self.sources.give_back(src.tolist())
 
     def _release_held(self, escaped: list[str]) -> bool:
         """Move every held page set that is safe now back to its free pool."""
@@ -610,7 +654,7 @@ class SchedulerDriver:
                 else:
                     safe = self._draining(h.handle, escaped, poll=True) == 0
                 if safe:
-                    pool.free.extend(int(p) for p in h.pages)
+                    self._free(pool, h.pages, h.src)
                     moved = True
                 else:
                     keep.append(h)
@@ -653,7 +697,12 @@ class SchedulerDriver:
             if cfg.verify and self.digest is not None:
                 try:
                     got = self.digest(a.session_id, a.dst.tolist())
-                    verified = got == [self._src_digests[p] for p in a.src.tolist()]
+                    want = (
+                        a.expected
+                        if a.expected is not None
+                        else [self._src_digests[p] for p in a.src.tolist()]
+                    )
+                    verified = got == want
                 except Exception as exc:  # the peer may be gone by now
                     error = f"verify: {exc!r}"
                     verified = None
@@ -688,16 +737,16 @@ class SchedulerDriver:
         draining = self._draining(handle, escaped)  # before the footprint: see RoomOutcome
         footprint = self._footprint(room, draining, escaped)
         if status is KVPoll.Success and cfg.decode_hold_s > 0:
-            self._hold(pool, handle, a.dst, time.monotonic() + cfg.decode_hold_s)
+            self._hold(pool, handle, a.dst, time.monotonic() + cfg.decode_hold_s, a.src)
         elif cfg.release_rule == "drain" and hasattr(self.mgr, "draining"):
             if draining == 0:
-                pool.free.extend(int(p) for p in a.dst)
+                self._free(pool, a.dst, a.src)
             else:
-                self._hold(pool, handle, a.dst, None)
+                self._hold(pool, handle, a.dst, None, a.src)
         elif status is KVPoll.Success or cfg.quarantine_s <= 0:
-            pool.free.extend(int(p) for p in a.dst)
+            self._free(pool, a.dst, a.src)
         else:
-            self._hold(pool, handle, a.dst, time.monotonic() + cfg.quarantine_s)
+            self._hold(pool, handle, a.dst, time.monotonic() + cfg.quarantine_s, a.src)
         concluded = time.monotonic()
         return RoomOutcome(
             room,
@@ -713,4 +762,6 @@ class SchedulerDriver:
             tuple(int(p) for p in a.src),
             draining,
             a.short_info,
+            handle.generation,
+            tuple(a.expected or ()),
         )

@@ -70,6 +70,7 @@ import numpy.typing as npt
 
 from sender import _nixl
 from sender.errors import TransportClosedError, TransportParamError
+from sender.landings import Landing, LandingLog
 from sender.notices import NoticeError, decode_notice, is_notice
 from sender.transport import (
     DEFAULT_PROGRESS_DELAY_US,
@@ -114,6 +115,7 @@ _SMALL_COMMANDS = (
     "room_notices",
     "release_pages",
     "free_pages",
+    "landings",
 )
 _PAGE_COMMANDS = ("digest", "read", "zero", "assign_pages")
 # Replies, read by PeerProcess from its own child: a header of notifications or digests, a
@@ -366,6 +368,11 @@ class DecodePeer:
             assert self._pool_np is not None
             self._pool_t = torch.from_numpy(self._pool_np)
         return self._pool_t
+
+    def pool_array(self) -> npt.NDArray[np.uint8] | None:
+        """The registered CPU pool as its numpy array (no torch import); ``None`` for a
+        device pool."""
+        return self._pool_np
 
     @property
     def transport(self) -> NixlTransport:
@@ -915,6 +922,7 @@ class PeerServer:
         self._sock.settimeout(0.2)
         self.port: int = self._sock.getsockname()[1]
         self.shutdown_requested = threading.Event()
+        self.landings: LandingLog | None = None  # set once, before requests (main())
         self._stop = threading.Event()
         # _lock guards _closing, _conns and _workers. A connection leaves _conns (under the
         # lock) before its socket is closed, so close() never shuts down a reused fd.
@@ -1052,6 +1060,18 @@ class PeerServer:
             return {"ok": True, "pages": list(released)}, b""
         if cmd == "free_pages":
             return {"ok": True, "pages": peer.free_pages()}, b""
+        if cmd == "landings":
+            if self.landings is None:
+                raise ValueError("this peer does not watch stamps (--watch-stamps)")
+            since = req.get("since", 0)
+            if type(since) is not int:
+                raise TransportParamError(f"'since' must be an int, got {since!r}")
+            got = self.landings.records(since)
+            return {
+                "ok": True,
+                "landings": [list(r) for r in got],
+                "scans": self.landings.scans,
+            }, b""
         if cmd == "shutdown":
             self.shutdown_requested.set()
             return {"ok": True}, b""
@@ -1117,9 +1137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
     peer = DecodePeer(name, args.pages, args.page_bytes, device=args.device)
+    watch: LandingLog | None = None
     try:
+        arr = peer.pool_array()
+        if args.watch_stamps is not None and arr is not None:  # a CPU pool (device: no log)
+            watch = LandingLog(arr, args.watch_stamps)
         try:
             server = PeerServer(peer, int(port_s), host=host)
+            server.landings = watch
         except OSError as exc:  # e.g. ADDR is not an address of this namespace
             print(
                 f"python -m sender.peer: cannot listen on {host}:{port_s}: {exc}", file=sys.stderr
@@ -1141,6 +1166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             server.close()
     finally:
+        if watch is not None:
+            watch.close()
         peer.close()
     return 0
 
@@ -1249,6 +1276,8 @@ class PeerProcess:
             of that namespace reachable from this one (127.0.0.1 would be the namespace's
             own loopback, which we cannot reach).
         env: Extra environment of the child (e.g. ``{"UCX_TLS": "tcp"}``); wins over ours.
+        watch_stamps_s: Start the child with ``--watch-stamps`` (its log of stamped writes
+            that landed, :meth:`landings`); ``None``: off.
 
     Not thread-safe for lifecycle methods (``kill``/``stop``/``cont``/``restart``/``close``);
     query methods open a connection per call and may be used from several threads.
@@ -1275,6 +1304,7 @@ class PeerProcess:
         netns: str | None = None,
         host: str = _HOST,
         env: Mapping[str, str] | None = None,
+        watch_stamps_s: float | None = None,
     ) -> None:
         """Make a :class:`PeerProcess`: every argument and what it raises are in the
         class docstring (``help(PeerProcess)``)."""
@@ -1294,6 +1324,7 @@ class PeerProcess:
         self.netns = netns
         self.host = host
         self._extra_env = dict(env or {})
+        self._watch = watch_stamps_s
         self._proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.agent_name = ""
@@ -1327,6 +1358,7 @@ class PeerProcess:
                 "--device", self._device,
                 "--parent-pid", str(os.getpid()),
                 "--stderr-fd", str(later),
+                *([] if self._watch is None else ["--watch-stamps", str(self._watch)]),
             ]  # fmt: skip
             try:
                 proc = subprocess.Popen(
@@ -1685,6 +1717,15 @@ class PeerProcess:
         """
         header, _ = self._call({"cmd": "free_pages"})
         return [int(p) for p in header.get("pages", ())]
+
+    def landings(self, since: int = 0) -> list[Landing]:
+        """The child's log of stamped writes that landed (``--watch-stamps``), ``seq > since``.
+
+        Raises:
+            PeerError: The request failed, or the child does not watch stamps.
+        """
+        header, _ = self._call({"cmd": "landings", "since": since})
+        return [Landing(*r) for r in header.get("landings", [])]
 
 
 if __name__ == "__main__":

@@ -16,6 +16,16 @@ the peer is read and judged against its history:
 * pages never verified are not judged, nor pages whose peer lost its memory (a restarted
   process) after V was admitted.
 
+Who wrote what a violating page holds: a digest names the *bytes*, and rooms that send the
+same prefill page send the same bytes, so without stamps it names a prefill page, not a room.
+The finding then lists every recorded room that sent those bytes anywhere (``ambiguous``
+when more than one did) instead of naming the last one in the page's history (which named a
+failed room as the writer of bytes that a later room, given another page, had sent just as
+well). With stamped sources (:mod:`sender.stamps`: each room's bytes carry its opening,
+chunk and intended decode page; ``RoomOutcome.sent_digests``) the digest names one write,
+and the audit also reads the page's stamp (``read``): a *misdirected* write (bytes meant for
+another decode page) is told apart from a *stale* one (a room given this page before V).
+
 Thread-safety: :meth:`PageAudit.record` and :meth:`PageAudit.peer_reset` may be called from
 any thread; :meth:`PageAudit.check` from one thread at a time, when nothing is in flight.
 """
@@ -23,11 +33,15 @@ any thread; :meth:`PageAudit.check` from one thread at a time, when nothing is i
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sender.driver import DigestFn, RoomOutcome
 from sender.poll import KVPoll
+from sender.stamps import read_stamp
+
+ReadFn = Callable[[str, Sequence[int]], bytes]
+"""``read(session_id, pages) -> the pages' bytes``, concatenated (the peer's ``read_pages``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +50,19 @@ class _Use:
 
     room: int
     started_at: float
-    digest: str  # digest of the prefill page this room sends to the decode page
+    digest: str  # digest of the bytes this room sends to the decode page
     verified: bool  # a Success whose bytes were read back and matched
     status: KVPoll | None
+    generation: int = -1
+    chunk: int = -1
+    session_id: str = ""
+    page: int = -1  # the decode page it was sent to
+    stamped: bool = False
+
+    def who(self) -> str:
+        ended = self.status.name if self.status is not None else "?"
+        gen = f" gen {self.generation}" if self.generation >= 0 else ""
+        return f"room {self.room}{gen} ({ended})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,24 +95,38 @@ class PageAudit:
     _uses: dict[tuple[str, int], list[_Use]] = field(default_factory=dict, repr=False)
     _resets: dict[str, float] = field(default_factory=dict, repr=False)
     _reported: set[tuple[str, int, str, int]] = field(default_factory=set, repr=False)
+    # Every recorded use, by the digest of the bytes it sent (attribution of a finding).
+    _senders: dict[str, list[_Use]] = field(default_factory=dict, repr=False)
     rooms_recorded: int = 0
+    read: ReadFn | None = None
+    """Optional: read a violating page's bytes to name the write by its stamp."""
+    explain: Callable[[str, int], str] | None = None
+    """Optional: more about a violating page ``(session, page)`` for the finding's text (e.g.
+    the peer's log of the writes that landed there, :mod:`sender.landings`)."""
 
     def record(self, outcome: RoomOutcome) -> None:
         """Add a concluded room's pages to their histories. Thread-safe."""
         if not outcome.dst_pages:
             return
         verified = outcome.status is KVPoll.Success and outcome.verified is True
+        stamped = len(outcome.sent_digests) == len(outcome.dst_pages)
         with self._lock:
             self.rooms_recorded += 1
-            for dst, src in zip(outcome.dst_pages, outcome.src_pages, strict=True):
+            for i, (dst, src) in enumerate(zip(outcome.dst_pages, outcome.src_pages, strict=True)):
                 use = _Use(
                     outcome.room,
                     outcome.started_at,
-                    self.src_digests[src],
+                    outcome.sent_digests[i] if stamped else self.src_digests[src],
                     verified,
                     outcome.status,
+                    outcome.generation,
+                    i,
+                    outcome.session_id,
+                    dst,
+                    stamped,
                 )
                 self._uses.setdefault((outcome.session_id, dst), []).append(use)
+                self._senders.setdefault(use.digest, []).append(use)
 
     def peer_reset(self, session_id: str, at: float) -> None:
         """The session's peer lost its pages at ``at`` (``time.monotonic()``; e.g. it was
@@ -170,9 +208,8 @@ class PageAudit:
                     violations.append(text)
         return AuditReport(tuple(violations), judged, unjudged, tuple(unread))
 
-    @staticmethod
     def _judge(
-        sid: str, page: int, actual: str, history: list[_Use], reset_at: float | None
+        self, sid: str, page: int, actual: str, history: list[_Use], reset_at: float | None
     ) -> tuple[tuple[str, int, str, int], str] | None:
         """``None``: not judged; else ``(key, "")`` when it holds, ``(key, why)`` when not."""
         last = max((i for i, u in enumerate(history) if u.verified), default=None)
@@ -185,19 +222,75 @@ class PageAudit:
         key = (sid, page, actual, verified.room)
         if actual in allowed:
             return key, ""
+        return key, self._attribute(sid, page, actual, history, last)
+
+    def _attribute(self, sid: str, page: int, actual: str, history: list[_Use], last: int) -> str:
+        """Why the page's bytes are wrong, naming who sent them as far as the bytes tell."""
+        verified = history[last]
         later_rooms = [u.room for u in history[last + 1 :]]
         later = f" (later rooms: {later_rooms})" if later_rooms else ""
-        culprit = next((u for u in reversed(history[:last]) if u.digest == actual), None)
-        if culprit is not None:
-            ended = culprit.status.name if culprit.status is not None else "?"
+        with self._lock:
+            senders = list(self._senders.get(actual, ()))
+        rooms = sorted({(u.room, u.generation) for u in senders})
+        here = f"decode page {page} of {sid!r}"
+        if len(senders) == 1 and senders[0].stamped:
+            w = senders[0]
+            if (w.session_id, w.page) == (sid, page):
+                why = (
+                    f"cross-room overwrite: {here} holds the bytes {w.who()} sent it (chunk "
+                    f"{w.chunk}), but room {verified.room} was given the page after it and "
+                    f"verified{later}"
+                )
+            else:
+                why = (
+                    f"misdirected write: {here} holds the bytes {w.who()} sent to decode page "
+                    f"{w.page} of {w.session_id!r} (chunk {w.chunk}); room {verified.room} was "
+                    f"verified on this page{later}"
+                )
+        elif len(rooms) == 1 and any(u.digest == actual for u in history[:last]):
+            # Unstamped, but no other room ever sent these bytes: the page's earlier user.
+            culprit = next(u for u in reversed(history[:last]) if u.digest == actual)
             why = (
-                f"cross-room overwrite: decode page {page} of {sid!r} holds the bytes of room "
-                f"{culprit.room} ({ended}), but room {verified.room} was given the page after "
-                f"it and verified{later}"
+                f"cross-room overwrite: {here} holds the bytes of {culprit.who()}, but room "
+                f"{verified.room} was given the page after it and verified{later}"
+            )
+        elif senders:
+            earlier = [u.room for u in history[:last] if u.digest == actual]
+            shown = ", ".join(f"{u.who()} -> page {u.page}" for u in senders[-6:])
+            why = (
+                f"{here} holds bytes not sent to it since room {verified.room} was verified on "
+                f"it{later}; who wrote them is ambiguous: {len(rooms)} rooms sent the same "
+                f"bytes (the same prefill page), last: {shown}"
+                + (f"; of them given this page before: {earlier}" if earlier else "")
             )
         else:
             why = (
-                f"decode page {page} of {sid!r} holds bytes of no room given it since room "
-                f"{verified.room} was verified on it{later}"
+                f"{here} holds bytes of no room given it since room {verified.room} was "
+                f"verified on it{later}"
             )
-        return key, why
+        times = f"; room {verified.room} admitted at {verified.started_at:.3f}"
+        if later_rooms:
+            times += ", later rooms at " + ", ".join(
+                f"{u.started_at:.3f}" for u in history[last + 1 :]
+            )
+        return why + self._stamp_of(sid, page) + times + self._explained(sid, page)
+
+    def _explained(self, sid: str, page: int) -> str:
+        if self.explain is None:
+            return ""
+        try:
+            more = self.explain(sid, page)
+        except Exception as exc:  # a diagnostic only: the finding stands without it
+            return f"; (explain failed: {exc!r})"
+        return f"; {more}" if more else ""
+
+    def _stamp_of(self, sid: str, page: int) -> str:
+        """What the page's own stamp says (when a reader was given); "" otherwise."""
+        if self.read is None:
+            return ""
+        try:
+            data = self.read(sid, [page])
+        except Exception:  # the peer went away meanwhile: the digest finding stands
+            return ""
+        stamp = read_stamp(data)
+        return f"; its stamp names {stamp}" if stamp is not None else "; it carries no stamp"

@@ -61,6 +61,16 @@ are measured, not assumed.
 
 The harness reads decode pages over the peer's control channel, which shares the link: it
 stops reading while a fault is on (a read in progress finishes first).
+
+Attribution: rooms send *stamped* source pages of their own (:mod:`sender.stamps`: the bytes
+name the opening, the chunk and the intended decode page), and the decode peer logs every
+stamped write that lands on its pages (:mod:`sender.landings`, every
+:data:`WATCH_STAMPS_S`). A ``decode-page-audit`` finding therefore names the write that put
+the bytes there (stale: a room given the page before the verified one; misdirected: bytes
+meant for another page) and quotes the page's landing log; a Success room whose bytes differ
+gets the same detail in its phase's ``verify_failed_detail``. (Before, rooms sampled one
+shared KV pool, so a digest named a prefill page that many rooms had sent, and the audit
+pinned it on the last one in the page's history.)
 """
 
 from __future__ import annotations
@@ -82,6 +92,7 @@ import numpy as np
 from sender.driver import RoomOutcome, SchedulerDriver
 from sender.peer import PeerError, PeerProcess, page_digest_bytes
 from sender.poll import KVPoll
+from sender.stamps import StampedSources, read_stamp
 from staging.context import RoomHandle
 from stress.framework import JSONValue, Monitor, ScenarioMetrics, StressConfig, register
 from stress.invariants import DECODE_PAGE_AUDIT, NO_LEAK, describe
@@ -165,6 +176,11 @@ during each fault and never returned (``no-leak``). ``no-repair``: the fault is 
 repaired (``recovered``). ``no-tcp``: UCX may use shared memory/CMA (``UCX_TLS`` unset on
 both sides; the net devices stay restricted): the bytes bypass the link
 (``over-the-link``). ``no-notices``: the managers send no room notice (``decode-told``)."""
+WATCH_STAMPS_S = 0.01
+"""The decode peer scans its page headers this often and logs every stamped write that
+landed (:mod:`sender.landings`; ~1-2 % of a core on these machines): a page audit finding
+quotes the page's log, so it names the writes that really landed there and when (two
+landings on one page within a period show as the last)."""
 NOTICE_ROOMS = 32
 """Rooms of the room-notice round at each link rate (about half of them aborted)."""
 NOTICE_ABORT_RATE = 0.5
@@ -400,6 +416,9 @@ def format_phases(result: dict[str, Any]) -> str:
                 f"{cell(idle['p99'])} ms); send->learnt p50 {cell(dlv['p50'])} / p99 "
                 f"{cell(dlv['p99'])} ms"
             )
+    for ph in result.get("phases", []):
+        for text in ph.get("verify_failed_detail") or ():
+            lines.append(f"{ph.get('kind')}: bytes differ: {text}")
     if result.get("partition_behaviour"):
         lines.append(f"partition: {result['partition_behaviour']}")
     if result.get("skipped"):
@@ -557,6 +576,7 @@ class NetnsRig(SenderRig):
                     netns=link.netns,
                     host=link.peer_addr,
                     env=link.peer_env() if peer_env is None else peer_env,
+                    watch_stamps_s=WATCH_STAMPS_S,
                 )
                 self._stack.callback(peer.close)
                 self.peers[sid] = peer
@@ -574,6 +594,9 @@ class _Track:
     outcomes: list[RoomOutcome] = field(default_factory=list)
     last_user: dict[int, tuple[int, KVPoll | None]] = field(default_factory=dict)
     early_reuse: list[str] = field(default_factory=list)
+    # Per Success room whose bytes differed at the peer: what its pages held (their stamps)
+    # and the peer's log of what landed on them (bytes-verified says only "differ").
+    verify_detail: list[str] = field(default_factory=list)
     streak: int = 0
 
 
@@ -633,6 +656,8 @@ class _Child:
                 rig = NetnsRig(self.config, (SESSION,), PEER_PAGES, self.link, peer_env)
             try:
                 self._rig = rig
+                rig.audit.read = self._read
+                rig.audit.explain = self._landings_text
                 self._phases(rig)
             finally:
                 self._rig = None
@@ -693,6 +718,61 @@ class _Child:
                 raise PeerError("the harness reads no pages while the fault is on")
             return self._rig.digest(session_id, pages)
 
+    def _read(self, session_id: str, pages: Sequence[int]) -> bytes:
+        """The pages' bytes at the peer (the page audit reads a violating page's stamp)."""
+        with self._rpc_gate:
+            if self.control_down.is_set() or self._rig is None:
+                raise PeerError("the harness reads no pages while the fault is on")
+            rig = self._rig
+            with rig.peer_lock:
+                peer = rig.peers[session_id]
+            return peer.read_pages(list(pages))
+
+    def _verify_detail(self, o: RoomOutcome) -> str:
+        """What the pages of a Success room whose bytes differed hold: each page's stamp and
+        the peer's log of the writes that landed on it. Never raises (a diagnostic)."""
+        try:
+            data = self._read(o.session_id, list(o.dst_pages))
+            got = self._digest(o.session_id, list(o.dst_pages))
+        except Exception as exc:  # the peer went away meanwhile
+            return f"room {o.room} gen {o.generation}: pages unreadable ({exc!r})"
+        parts: list[str] = []
+        for i, page in enumerate(o.dst_pages):
+            if i < len(o.sent_digests) and got[i] == o.sent_digests[i]:
+                continue
+            stamp = read_stamp(data[i * PAGE_BYTES : (i + 1) * PAGE_BYTES])
+            try:
+                log = self._landings_text(o.session_id, page)
+            except Exception as exc:  # a diagnostic only
+                log = f"landings unreadable ({exc!r})"
+            parts.append(f"page {page} (chunk {i}) holds {stamp or 'no stamp'}; {log}")
+        return f"room {o.room} gen {o.generation} (admitted {o.started_at:.3f}): " + (
+            " | ".join(parts) if parts else "every page matches now (the bytes landed late)"
+        )
+
+    def _landings_text(self, session_id: str, page: int) -> str:
+        """The peer's log of the stamped writes that landed on ``page`` (its current process
+        only: a killed one took its log along), for a page audit finding."""
+        with self._rpc_gate:
+            if self.control_down.is_set() or self._rig is None:
+                return ""
+            rig = self._rig
+            with rig.peer_lock:
+                peer = rig.peers[session_id]
+            got = [r for r in peer.landings() if r.page == page]
+        if not got:
+            return f"no stamped write landed on page {page} in the peer's current process"
+        shown = "; ".join(
+            f"{r.at:.3f}: "
+            + (
+                "no stamp (zeroed)"
+                if r.room < 0
+                else f"room {r.room} gen {r.generation} chunk {r.chunk} (for page {r.dst_page})"
+            )
+            for r in got[-8:]
+        )
+        return f"landed on page {page} ({len(got)} in the current process, last 8): {shown}"
+
     def _cut_control(self) -> None:
         """Stop reading pages at the peer (its control channel shares the link) and wait for
         a read in progress to finish."""
@@ -717,7 +797,12 @@ class _Child:
         track = self.track
         mgr = rig.mgr
         monitor = self.monitor
-        driver = SchedulerDriver(mgr, {SESSION: ROOM_PAGES}, self._digest)
+        # Stamped sources: each room's bytes name its opening, chunk and intended decode page,
+        # so whatever the page audit finds names its writer (rooms sharing prefill pages made
+        # a digest name only a prefill page). Fresh per phase: a phase ends fully drained.
+        # The canary's source pages stay out.
+        sources = StampedSources(rig.kv, range(CANARY_PAGES, rig.kv.shape[0]))
+        driver = SchedulerDriver(mgr, {SESSION: ROOM_PAGES}, self._digest, sources=sources)
 
         def on_admit(handle: RoomHandle, _abort: bool) -> None:
             track.handles[handle.room] = handle
@@ -732,6 +817,8 @@ class _Child:
                 track.streak += 1
             else:
                 track.streak = 0
+            if o.status is KVPoll.Success and o.verified is False:
+                track.verify_detail.append(self._verify_detail(o))
             if o.status is KVPoll.Failed and self._on_failed is not None:
                 self._on_failed()
 
@@ -964,6 +1051,7 @@ class _Child:
                 "corruption": after.get(DECODE_PAGE_AUDIT, 0) - before.get(DECODE_PAGE_AUDIT, 0),
                 "verify_failures": after.get(BYTES_VERIFIED, 0) - before.get(BYTES_VERIFIED, 0),
                 "early_reuse": len(track.early_reuse),
+                "verify_failed_detail": list(track.verify_detail),
             }
         )
         return figures

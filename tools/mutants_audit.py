@@ -1,0 +1,44 @@
+"""Mutants of the decode page audit and of stamped source pages (issue 23, section 1).
+
+A planted real overwrite must stay caught, and a stamp must name one write: each mutant here
+breaks one of those, and ``tests/test_page_attribution.py`` must kill it.
+"""
+
+from __future__ import annotations
+
+from tools.mutants_spec import Mutant
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        id="audit-allows-stale",
+        file="stress/scenarios/_page_audit.py",
+        original="        allowed = {u.digest for u in history[last:]}\n",
+        replacement="        allowed = {u.digest for u in history}\n",
+        kind="lifecycle",
+        description=(
+            "the page audit accepts the bytes of any room ever given the page, also one given "
+            "it before the last verified room: violates 'a page holds the last verified "
+            "room's bytes or a later room's' (a stale write landing after the page was handed "
+            "on and verified goes unreported)"
+        ),
+        tests=("tests/test_page_attribution.py",),
+    ),
+    Mutant(
+        id="stamps-src-back-early",
+        file="sender/driver.py",
+        original="        pool.held.append(_Held(handle, pages, release_at, src))\n",
+        replacement=(
+            "        pool.held.append(_Held(handle, pages, release_at, None))\n"
+            "        if self.sources is not None and src is not None:\n"
+            "            self.sources.give_back(src.tolist())\n"
+        ),
+        kind="lifecycle",
+        description=(
+            "a held room's stamped source pages go back at once, not with its decode pages "
+            "(the drain rule): a page is re-stamped while the old room's write may still read "
+            "it, so a stamp no longer names one write (its late write carries another room's "
+            "stamp to its own page: the audit reports a misdirected write)"
+        ),
+        tests=("tests/test_page_attribution.py",),
+    ),
+)
