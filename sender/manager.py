@@ -193,7 +193,6 @@ class KVManager:
         check_index(num_workers, "num_workers")
         if kv_pool.dim() != 2 or kv_pool.dtype != torch.uint8:
             raise TypeError("kv_pool must be a 2-D uint8 tensor [num_pages, page_bytes]")
-        _check_transport(transport, kv_pool, kv_region, staging_region, staging_pool)
         check_seconds(transfer_timeout_s, "transfer_timeout_s")
         check_seconds(slot_timeout_s, "slot_timeout_s", allow_zero=True)
         if staging_pool is not None and staging_pool.page_bytes > int(kv_pool.shape[1]):
@@ -203,6 +202,8 @@ class KVManager:
                 f"staging_pool page_bytes {staging_pool.page_bytes} > the KV pool's page "
                 f"size {int(kv_pool.shape[1])} B: no page or slice of one fits its slots"
             )
+        # Then against the transport (its regions): after the checks of the arguments alone.
+        _check_transport(transport, kv_pool, kv_region, staging_region, staging_pool)
         if poll_interval_s is not None:
             check_seconds(poll_interval_s, "poll_interval_s", allow_zero=True)
             if poll_interval_s > transfer_timeout_s:
