@@ -319,4 +319,3 @@ class DecodeCompatContext:
     def __repr__(self) -> str:
         boot, recv = self.rooms()
         return f"<DecodeCompatContext bootstrap={len(boot)} receivers={len(recv)}>"
-

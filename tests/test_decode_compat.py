@@ -279,3 +279,40 @@ def test_iteration_under_writes_never_raises() -> None:
             break
     print(f"bare dicts: 'changed size' seen after {seed + 1} runs")
     assert bare, "the detector never fired on bare dicts"
+
+
+# ---------------------------------------------------------------------- the plugin's class
+
+
+def test_plugin_class_on_a_dataclass_of_the_released_shape() -> None:
+    """The plugin's REPLACE of SGLang's ``DecodeStagingContext`` (``staging.sglang.hooks``),
+    on a dataclass of the released shape (an ``allocator`` and the two dict fields):
+    the dicts become our views, ``allocator`` stays a plain field; a class without the two
+    fields is refused (the plugin then registers nothing)."""
+    import dataclasses
+
+    from staging.sglang import hooks
+
+    @dataclasses.dataclass
+    class DecodeStagingContext:
+        allocator: object = None
+        room_bootstrap: dict[int, Any] = dataclasses.field(default_factory=dict)
+        room_receivers: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    cls = hooks.decode_staging_class(DecodeStagingContext)
+    assert issubclass(cls, DecodeCompatContext) and cls.__qualname__.endswith("Context")
+    assert [f.name for f in dataclasses.fields(cls)] == ["allocator"]
+    ctx = cls()
+    ctx.allocator = "ring"
+    ctx.room_bootstrap[1] = ["b"]
+    ctx.room_receivers[1] = "r"
+    assert ctx.purge_room(1) == (["b"], "r") and ctx.allocator == "ring"
+    with pytest.raises(TypeError):
+        ctx.room_bootstrap = {}
+
+    @dataclasses.dataclass
+    class Other:
+        allocator: object = None
+
+    with pytest.raises(ValueError, match="room_bootstrap"):
+        hooks.decode_staging_class(Other)
