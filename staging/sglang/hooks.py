@@ -21,9 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 from staging.compat import CompatStagingContext
+from staging.decode_compat import DecodeCompatContext
 
 VIEWS = ("prefetched_rooms", "prefetch_requested")
 """The two set fields of SGLang's ``PrefillStagingContext`` that become our views."""
+
+DECODE_VIEWS = ("room_bootstrap", "room_receivers")
+"""The two dict fields of SGLang's ``DecodeStagingContext`` that become our views."""
 
 
 def staging_class(upstream: type) -> type:
@@ -37,25 +41,55 @@ def staging_class(upstream: type) -> type:
     Raises:
         ValueError: ``upstream`` is not a dataclass holding both set fields.
     """
+    return _on_base(upstream, VIEWS, CompatStagingContext, "its two staging sets")
+
+
+def decode_staging_class(upstream: type) -> type:
+    """Our ``DecodeStagingContext``: a dataclass of the same name and module with
+    ``upstream``'s fields except the two dicts (``allocator`` is kept), on top of
+    :class:`~staging.decode_compat.DecodeCompatContext` (``ctx.room_bootstrap`` /
+    ``ctx.room_receivers`` are its live views on one lock, and ``purge_room`` /
+    ``register_room`` / ``room_entry`` exist).
+
+    Raises:
+        ValueError: ``upstream`` is not a dataclass holding both dict fields.
+    """
+    return _on_base(upstream, DECODE_VIEWS, DecodeCompatContext, "its two staging dicts")
+
+
+def _on_base(
+    upstream: type,
+    views: tuple[str, ...],
+    base: type[CompatStagingContext] | type[DecodeCompatContext],
+    what: str,
+) -> type:
+    """``upstream`` remade as a dataclass on ``base`` without the ``views`` fields (the
+    base's ``__init__`` makes them, from the generated ``__post_init__``).
+
+    Raises:
+        ValueError: ``upstream`` is not a dataclass holding every field of ``views``.
+    """
     if not dataclasses.is_dataclass(upstream):
         raise ValueError(f"{upstream!r} is not a dataclass")
     fields = dataclasses.fields(upstream)
-    missing = [v for v in VIEWS if v not in {f.name for f in fields}]
+    missing = [v for v in views if v not in {f.name for f in fields}]
     if missing:
         raise ValueError(f"{upstream.__qualname__} has no field {missing}")
-    kept = [_field_copy(f) for f in fields if f.name not in VIEWS]
+    kept = [_field_copy(f) for f in fields if f.name not in views]
 
-    def __post_init__(self: CompatStagingContext) -> None:
-        CompatStagingContext.__init__(self)
+    init = base.__init__
+
+    def __post_init__(self: Any) -> None:
+        init(self)
 
     made = dataclasses.make_dataclass(
         upstream.__name__,
         kept,
-        bases=(CompatStagingContext,),
+        bases=(base,),
         namespace={
             "__post_init__": __post_init__,
             "__doc__": (
-                f"{upstream.__name__} with its two staging sets on a CompatStagingContext "
+                f"{upstream.__name__} with {what} on a {base.__name__} "
                 "(installed by the nixl-staging SGLang plugin)."
             ),
             "NIXL_STAGING_PLUGIN": True,

@@ -91,7 +91,8 @@ class Plan:
             f"nixl-staging plugin applied to sglang {self.release}: "
             + "; ".join(parts)
             + ": the prefill staging sets are locked views and clear()/failure_exception() "
-            "purge a room atomically and tombstone it"
+            "purge a room atomically and tombstone it; the decode staging dicts are "
+            "locked views on one lock"
         )
 
 
@@ -207,6 +208,10 @@ def _make(target: Target, resolved: dict[str, object]) -> Callable[..., Any] | t
         if not isinstance(obj, type):
             raise TypeError(f"{target.path} is not a class")
         return hooks.staging_class(obj)
+    if target.hook == "decode_staging_class":
+        if not isinstance(obj, type):
+            raise TypeError(f"{target.path} is not a class")
+        return hooks.decode_staging_class(obj)
     if target.hook == "purge_then_clear":
         return hooks.purge_then_clear()
     if target.hook == "lift_on_new_sender":

@@ -24,6 +24,48 @@ _COMMON = "sglang.srt.disaggregation.common.conn"
 _NIXL = "sglang.srt.disaggregation.nixl.conn"
 
 
+def _decode() -> tuple[Target, ...]:
+    """The decode side's targets; the released code is the same in 0.5.21 and 0.5.23."""
+    return (
+        Target(
+            f"{_SH}.DecodeStagingContext",
+            "decode_staging_class",
+            "REPLACE",
+            "3f3ec82d41bd97ab",
+            "the decode staging dataclass -> a DecodeCompatContext (room_bootstrap and "
+            "room_receivers: locked views on one lock)",
+        ),
+        Target(
+            f"{_NIXL}.NixlKVManager.register_staging_room_bootstrap",
+            None,
+            None,
+            "855821cdb4fe4cb6",
+            "relied on: one item assignment per dict (decode scheduler)",
+        ),
+        Target(
+            f"{_SH}.DecodeStagingHandler.unregister_decode_req",
+            None,
+            None,
+            "0a731d40068007d6",
+            "relied on: one pop(room, None) per dict (decode scheduler)",
+        ),
+        Target(
+            f"{_SH}.StagingManagerMixin._handle_staging_req",
+            None,
+            None,
+            "8805d70754002f87",
+            "relied on: get(room) only, and passes the two dicts on (decode listener)",
+        ),
+        Target(
+            f"{_SH}.handle_staging_req",
+            None,
+            None,
+            "eea646b45a871132",
+            "relied on: get(room) only on each dict (decode listener)",
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class Target:
     """One upstream object the plugin relies on."""
@@ -66,6 +108,7 @@ RELEASES: Final[dict[str, tuple[Target, ...]]] = {
             "e7caf9fc3226cdbb",
             "relied on: calls self.clear() (so the failure path purges)",
         ),
+        *_decode(),
     ),
     "0.5.23": (
         Target(
@@ -104,6 +147,7 @@ RELEASES: Final[dict[str, tuple[Target, ...]]] = {
             "61b5de09eea29ed2",
             "relied on: calls self.clear() (so the failure path purges)",
         ),
+        *_decode(),
     ),
 }
 """Release -> the targets of that release. The one place a newer release is added."""

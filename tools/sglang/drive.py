@@ -64,12 +64,18 @@ class Upstream:
     # release, recorded before load_plugins() ran; empty for a release the plugin lacks.
     released: list[tuple[Any, str, Any]] = dataclasses.field(default_factory=list)
     released_staging_class: type | None = None
+    released_decode_class: type | None = None  # the decode staging dataclass as released
     plugin_log: list[logging.LogRecord] = dataclasses.field(default_factory=list)
 
     @property
     def staging_class(self) -> type:
         """The prefill staging class in effect (the plugin's, once it applied)."""
         return self.handler.PrefillStagingContext  # type: ignore[no-any-return]
+
+    @property
+    def decode_class(self) -> type:
+        """The decode staging class in effect (the plugin's, once it applied)."""
+        return self.handler.DecodeStagingContext  # type: ignore[no-any-return]
 
 
 class _Collect(logging.Handler):
@@ -99,6 +105,7 @@ def load(*, plugins: bool = True) -> Upstream:
     base = importlib.import_module("sglang.srt.disaggregation.base.conn")
     up = Upstream(sglang.__version__, conn, common, handler, base.KVPoll)
     up.released_staging_class = handler.PrefillStagingContext
+    up.released_decode_class = handler.DecodeStagingContext
     for target in RELEASES.get(up.version, ()):
         if target.hook is None or target.hook_type == "REPLACE":
             continue
