@@ -84,13 +84,18 @@ class After:
     lines and sessions to fail. Made per call by the caller, filled under the lock, run
     (:meth:`run`) after it. Not thread-safe (one thread's scratch list)."""
 
-    __slots__ = ("concluded", "ended", "fatal", "logs")
+    __slots__ = ("claimed", "concluded", "ended", "fatal", "logs", "sealed")
 
     def __init__(self) -> None:
         self.concluded: list[tuple[int, int, str, str, float]] = []
         self.ended: list[tuple[str, str, float, int]] = []
         self.logs: list[tuple[int, str, tuple[Any, ...]]] = []
         self.fatal: list[tuple[str, BaseException]] = []
+        # Publication (RoomTable.seal_locked / publish / await_published): ``sealed`` once
+        # its section made it pending; ``claimed``: the ident of the thread that runs it.
+        # Both guarded by the table's _publish_cv once sealed.
+        self.sealed = False
+        self.claimed: int | None = None
 
     def run(self, events: ManagerEvents | None) -> None:
         """Emit the events and log lines (never raises: a listener error is logged)."""
@@ -252,6 +257,80 @@ class RoomTable:
         # ever incremented by a thread that could not take the lock; read by stats).
         self.unaccounted_errors = 0
         self._chunk_ids = itertools.count(1)
+        # --- Publication: the After of every deciding section that has events or log lines
+        # to emit, until they were emitted. Guarded by _publish_cv (a leaf lock, taken inside
+        # ``lock`` by seal_locked and alone elsewhere; never held across a listener call).
+        # A reader of the tables (poll's handle_status, status, stats, wait_drained) takes a
+        # copy in its own section and publishes what is still pending before it returns, so
+        # that listener events, log lines and counters agree with the state it returns.
+        self._publish_cv = threading.Condition(threading.Lock())
+        self._unpublished: dict[After, None] = {}
+        self._publishing = threading.local()  # .active: this thread runs a publication
+
+    # ------------------------------------------------------------------ publication
+
+    def seal_locked(self, after: After) -> None:
+        """End of a deciding section (caller holds ``lock`` in write mode): if ``after`` has
+        events or log lines, it is pending from now on, so that a reader whose section comes
+        later publishes it (or waits for its publisher) before returning."""
+        if after.logs or after.concluded or after.ended:
+            with self._publish_cv:
+                after.sealed = True
+                self._unpublished[after] = None
+
+    def publish(self, after: After) -> None:
+        """Emit ``after``'s events and log lines, unless a reader already took it over (the
+        deciding thread calls this once its lock is released). Never raises."""
+        if not after.sealed:
+            after.run(self.events)
+            return
+        with self._publish_cv:
+            if after.claimed is not None:
+                return
+            after.claimed = threading.get_ident()
+        self._run_claimed(after)
+
+    def _run_claimed(self, after: After) -> None:
+        mark = self._publishing
+        outer = getattr(mark, "active", False)
+        mark.active = True
+        try:
+            after.run(self.events)
+        finally:
+            mark.active = outer
+            with self._publish_cv:
+                self._unpublished.pop(after, None)
+                self._publish_cv.notify_all()
+
+    def pending_locked(self) -> list[After] | None:
+        """The Afters sealed and not yet emitted, for :meth:`await_published` (``None``:
+        none). Caller holds ``lock`` (any mode): every section this reader saw is included."""
+        if not self._unpublished:  # a racy first look; a seal in a section we saw is visible
+            return None
+        with self._publish_cv:
+            return list(self._unpublished)
+
+    def await_published(self, pending: list[After] | None) -> None:
+        """Publish ``pending`` (from :meth:`pending_locked`) before returning: run each one no
+        thread took yet, here, and wait for those another thread is running. A thread that
+        is itself running a publication (a listener calling back into the manager) does not
+        wait, so two listeners reading back at once cannot wait for each other. Waits only
+        for listener calls already in progress (they should return quickly, see
+        :class:`~sender.events.ManagerEvents`). Never raises."""
+        if not pending or getattr(self._publishing, "active", False):
+            return
+        me = threading.get_ident()
+        cv = self._publish_cv
+        for after in pending:
+            with cv:
+                mine = after.claimed is None
+                if mine:
+                    after.claimed = me
+                else:
+                    while after in self._unpublished:
+                        cv.wait()
+            if mine:
+                self._run_claimed(after)
 
     # ------------------------------------------------------------------ reads
 
@@ -469,7 +548,8 @@ class RoomTable:
                 )
                 if len(infos) == len(entry.sessions):
                     self.set_status_locked(handle.room, KVPoll.WaitingForInput)
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
         if short:
             raise ValueError(f"room {handle.room} failed: {reason}")
         return True
@@ -511,7 +591,8 @@ class RoomTable:
                 handle, exc, reason, after, code=code, session_id=session_id,
                 chunk_idx=chunk_idx,
             )
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
         return failed
 
     def purge(self, room: int, generation: int | None) -> ManagerPurge:
@@ -578,7 +659,8 @@ class RoomTable:
                     self.notifier.hold(entry.handle, notice, entry.sessions)
                 else:
                     self.notifier.enqueue(notice, entry.sessions)
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
         return ManagerPurge(
             room, True, status, tuple(tables), staged, 0, 0, exception, record, draining
         )
@@ -587,38 +669,50 @@ class RoomTable:
         """Fail every open, unconcluded room of ``session_id`` and drop the session's staging
         keys, in one write section (untimed); logged once for the session. Never raises for
         a state reason."""
-        failed: list[tuple[int, int]] = []
         after = After()
         with self.lock.write_untimed():
-            for room_id, entry in self.rooms.items():
-                if session_id not in entry.sessions:
-                    continue
-                if is_concluded(self.request_status.get(room_id)):
-                    continue
-                exc = KVTransferError(
-                    room_id,
-                    f"decode peer {session_id!r} failed: {reason}",
-                    generation=entry.handle.generation,
-                    session_id=session_id,
-                )
-                self.fail_locked(
-                    entry.handle, exc, exc.reason, after, code="peer-failed",
-                    session_id=session_id, quiet=True,
-                )
-                failed.append((room_id, entry.handle.generation))
-            self.staging.purge_session(session_id)
-            self.counts["sessions_failed"] += 1
-        named = ", ".join(f"{r} (gen {g})" for r, g in failed[:MAX_ROOMS_LOGGED])
-        more = len(failed) - MAX_ROOMS_LOGGED
+            failed = self.fail_session_locked(session_id, reason, after)
+            self.seal_locked(after)
+        self.publish(after)
+        return failed
+
+    def fail_session_locked(self, session_id: str, reason: str, after: After) -> frozenset[int]:
+        """:meth:`fail_session`'s section (caller holds ``lock`` in write mode): the rooms'
+        status, ``sessions_failed`` and the session's log line (in ``after``) change in the
+        caller's section, so a reader never sees the rooms failed and the counter not."""
+        failed: list[tuple[int, int]] = []
+        for room_id, entry in self.rooms.items():
+            if session_id not in entry.sessions:
+                continue
+            if is_concluded(self.request_status.get(room_id)):
+                continue
+            exc = KVTransferError(
+                room_id,
+                f"decode peer {session_id!r} failed: {reason}",
+                generation=entry.handle.generation,
+                session_id=session_id,
+            )
+            self.fail_locked(
+                entry.handle, exc, exc.reason, after, code="peer-failed",
+                session_id=session_id, quiet=True,
+            )
+            failed.append((room_id, entry.handle.generation))
+        self.staging.purge_session(session_id)
+        self.counts["sessions_failed"] += 1
         # Once per wave of rooms: a session is failed again by every later chunk that sees
         # the same error, which finds nothing left to fail (DEBUG then).
-        logger.log(
-            logging.WARNING if failed else logging.DEBUG,
-            "decode session %r failed (%s): %d unconcluded rooms failed%s%s",
-            session_id, reason, len(failed), f": {named}" if failed else "",
-            f" and {more} more" if more > 0 else "",
-        )
-        after.run(self.events)
+        level = logging.WARNING if failed else logging.DEBUG
+        if failed or logger.isEnabledFor(logging.DEBUG):
+            named = ", ".join(f"{r} (gen {g})" for r, g in failed[:MAX_ROOMS_LOGGED])
+            more = len(failed) - MAX_ROOMS_LOGGED
+            after.logs.append(
+                (
+                    level,
+                    "decode session %r failed (%s): %d unconcluded rooms failed%s%s",
+                    (session_id, reason, len(failed), f": {named}" if failed else "",
+                     f" and {more} more" if more > 0 else ""),
+                )
+            )
         return frozenset(r for r, _ in failed)
 
     def close_begin(self) -> list[RoomHandle]:
@@ -723,8 +817,10 @@ class RoomTable:
                     entry.inflight[chunk.chunk_id] = chunk
             elif enqueue is not None:
                 enqueue(chunks)
+            if after is not None:
+                self.seal_locked(after)
         if after is not None:
-            after.run(self.events)
+            self.publish(after)
         return chunks
 
     def register(self, handle: RoomHandle, entry: RoomEntry, chunks: Sequence[Chunk]) -> bool:
@@ -785,7 +881,8 @@ class RoomTable:
                 entry.jobs_done += 1
                 self.counts["chunks_done"] += 1
                 self.maybe_succeed_locked(entry, after)
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
 
     def slot_failed(self, chunk: Chunk, exc: BaseException) -> None:
         """No staging slot for ``chunk``: fail its room (the chunk ends failed, or skipped if
@@ -799,7 +896,8 @@ class RoomTable:
                 self.counts["chunks_failed"] += 1
             else:
                 self.counts["chunks_skipped"] += 1
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
 
     def internal_error(self, chunk: Chunk, exc: BaseException, *, chunk_ends: bool) -> None:
         """An unexpected error while handling ``chunk``: count it and fail the room; with
@@ -815,14 +913,15 @@ class RoomTable:
                 )
                 if chunk_ends:
                     self.counts["chunks_failed" if failed else "chunks_skipped"] += 1
-            after.run(self.events)
+                self.seal_locked(after)
+            self.publish(after)
         except BaseException:
             self.unaccounted_errors += 1
 
-    def mark_hung(self, chunk: Chunk, exc: BaseException) -> bool:
+    def mark_hung(self, chunk: Chunk, exc: BaseException, *, fail_session: bool = False) -> bool:
         """The chunk passed its deadline while NIXL still has it in progress: fail its room
-        now, keep the chunk (transfer and slot) until it settles. ``False`` if it was hung or
-        ended already."""
+        now (with ``fail_session``, its session too, in the same section), keep the chunk
+        (transfer and slot) until it settles. ``False`` if it was hung or ended already."""
         after = After()
         with self.lock.write_untimed():
             if chunk.hung is not None or chunk.ended:
@@ -836,7 +935,10 @@ class RoomTable:
                 chunk.handle, exc, reason, after, code="timeout",
                 session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
             )
-        after.run(self.events)
+            if fail_session:
+                self.fail_session_locked(chunk.session_id, f"{type(exc).__name__}: {exc}", after)
+            self.seal_locked(after)
+        self.publish(after)
         return True
 
     def account_ends(
@@ -848,11 +950,12 @@ class RoomTable:
         """The locked half of ending chunks (each already claimed, released and its slot
         returned by the caller), all in one write section: unregister each, count it (done,
         failed or drained), advance or fail its open room, queue its opening's held notice
-        once its last draining chunk ended, and collect the sessions to fail
-        (``after.fatal``: ``fatal(exc)`` and the chunk was not already failed). Entries of
-        ``ends``: ``(chunk, exc, abandoned, already_failed)``. Returns the after-effects
-        (the caller runs them, then fails the sessions)."""
+        once its last draining chunk ended, and fail the session of each chunk whose
+        ``fatal(exc)`` holds and that was not already failed (:meth:`fail_session_locked`).
+        Entries of ``ends``: ``(chunk, exc, abandoned, already_failed)``. Returns the
+        after-effects, sealed (the caller publishes them: :meth:`publish`)."""
         after = After()
+        fatal_ends: list[tuple[str, BaseException]] = []
         now = time.monotonic()
         events = self.events is not None
         with self.lock.write_untimed():
@@ -942,7 +1045,14 @@ class RoomTable:
                     chunk_idx=chunk.chunk_idx,
                 )
                 if fatal(exc):
-                    after.fatal.append((chunk.session_id, exc))
+                    fatal_ends.append((chunk.session_id, exc))
+            # The sessions fail in this section too: a reader that sees a room failed by a
+            # fatal chunk sees its session failed and counted (sessions_failed) as well.
+            for session_id, fatal_exc in fatal_ends:
+                self.fail_session_locked(
+                    session_id, f"{type(fatal_exc).__name__}: {fatal_exc}", after
+                )
+            self.seal_locked(after)
         return after
 
     def pending_of(self, handle: RoomHandle) -> list[Chunk]:
