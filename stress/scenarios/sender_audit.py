@@ -19,7 +19,15 @@ every page again right before it is handed to the next room:
     while transfers are in flight (the transport releases them).
 ``lock-timeout``
     the staging context has ``lock_timeout=10 ms`` and holds 40k keys of other rooms; a reader
-    thread calls ``snapshot()`` (tens of ms under the read lock) again and again.
+    thread calls ``snapshot()`` (tens of ms under the read lock) again and again. The 10 ms is
+    the sender's setting under test (every timed wait inside it must survive the timeout), not
+    a bound of the check: the reference driver tries a refused ``footprint()`` again until its
+    own deadline (``lock-timeout:footprint_retries`` counts them), since a lock held by a
+    descheduled thread for many periods is not stuck. A lock held for good is a deadlock: the
+    scheduler and the reader stop making progress (a timed-out ``snapshot()`` counts as none)
+    and the watchdog reports ``no-deadlock``. ``--plant-bug lock-hold`` plants exactly that (a
+    thread takes the staging lock for writing and keeps it until the run is stopped, at most
+    :data:`PLANT_HOLD_PERIODS` watchdog periods).
 ``inline-progress``
     ``num_workers=0``: transfers run inline; a second thread calls ``mgr.progress(handle)`` on
     the same rooms the scheduler polls. Some infos arrive after ``init()``, some too short.
@@ -98,7 +106,8 @@ PHASES: dict[str, str] = {
     "close-race": "KVManager.close() racing open_room",
 }
 PHASES_ENV = "STRESS_SENDER_AUDIT_PHASES"
-PLANTED_BUGS = ("quarantine", "slow-network", PLANT_NO_NOTICES)
+PLANT_LOCK_HOLD = "lock-hold"
+PLANTED_BUGS = ("quarantine", "slow-network", PLANT_NO_NOTICES, PLANT_LOCK_HOLD)
 
 SESSION = "decode-0"
 PEER_PAGES = 512
@@ -117,6 +126,8 @@ ABORT_LAG_S = 0.003  # after that chunk was sent: it is then queued, waiting or 
 RELEASE_EVERY_S = (0.15, 0.4)
 
 LOCK_TIMEOUT_S = 0.01
+PLANT_HOLD_AFTER_S = 0.2  # the planted holder takes the lock this long into the phase
+PLANT_HOLD_PERIODS = 3.0  # and gives it back once the run is stopped, or after this many periods
 FILL_ROOMS = 2000
 FILL_KEYS = 20
 FILL_BASE = 1 << 40
@@ -394,14 +405,29 @@ class _Run:
                     try:
                         staging.snapshot()
                         reads[0] += 1
+                        counters.ops += 1  # a read done; a timed-out one is no progress
                     except LockTimeoutError:  # a reader may time out too: documented
                         reads[1] += 1
-                    counters.ops += 1
                     time.sleep(rng.random() * 0.03)
 
             return run
 
-        self.drive(name, index, seconds, overrides=self.overrides(), extras=[("reader", reader)])
+        def holder(running: Callable[[], bool], driver: SchedulerDriver) -> Callable[[], None]:
+            def run() -> None:  # the planted deadlock: the lock taken and never given back
+                mon.stop.wait(PLANT_HOLD_AFTER_S)
+                staging.lock.acquire_write_untimed()
+                try:
+                    mon.stop.wait(PLANT_HOLD_PERIODS * mon.watchdog_s)
+                finally:
+                    staging.lock.release_write()
+
+            return run
+
+        extras: list[tuple[str, ExtraThread]] = [("reader", reader)]
+        if self.config.plant_bug == PLANT_LOCK_HOLD:
+            extras.append(("planted-holder", holder))
+        driver = self.drive(name, index, seconds, overrides=self.overrides(), extras=extras)
+        self.extra[f"{name}:footprint_retries"] = driver.footprint_retries
         for handle in fillers:  # nobody else holds the lock now
             staging.purge_room(handle)
         self.extra[f"{name}:snapshots"] = reads[0]
