@@ -84,7 +84,7 @@ class After:
     lines and sessions to fail. Made per call by the caller, filled under the lock, run
     (:meth:`run`) after it. Not thread-safe (one thread's scratch list)."""
 
-    __slots__ = ("claimed", "concluded", "ended", "fatal", "logs", "sealed")
+    __slots__ = ("claimed", "concluded", "done", "ended", "fatal", "logs", "sealed")
 
     def __init__(self) -> None:
         self.concluded: list[tuple[int, int, str, str, float]] = []
@@ -92,10 +92,12 @@ class After:
         self.logs: list[tuple[int, str, tuple[Any, ...]]] = []
         self.fatal: list[tuple[str, BaseException]] = []
         # Publication (RoomTable.seal_locked / publish / await_published): ``sealed`` once
-        # its section made it pending; ``claimed``: the ident of the thread that runs it.
-        # Both guarded by the table's _publish_cv once sealed.
+        # its section made it pending; ``claimed``: the ident of the thread that runs it,
+        # which holds ``done`` (a fresh lock) until it ran (a waiter acquires and releases
+        # it). All three guarded by the table's _publish_lock once sealed.
         self.sealed = False
         self.claimed: int | None = None
+        self.done: threading.Lock | None = None
 
     def run(self, events: ManagerEvents | None) -> None:
         """Emit the events and log lines (never raises: a listener error is logged)."""
@@ -258,12 +260,13 @@ class RoomTable:
         self.unaccounted_errors = 0
         self._chunk_ids = itertools.count(1)
         # --- Publication: the After of every deciding section that has events or log lines
-        # to emit, until they were emitted. Guarded by _publish_cv (a leaf lock, taken inside
-        # ``lock`` by seal_locked and alone elsewhere; never held across a listener call).
-        # A reader of the tables (poll's handle_status, status, stats, wait_drained) takes a
-        # copy in its own section and publishes what is still pending before it returns, so
-        # that listener events, log lines and counters agree with the state it returns.
-        self._publish_cv = threading.Condition(threading.Lock())
+        # to emit, until they were emitted. Guarded by _publish_lock (a leaf lock, taken
+        # inside ``lock`` by seal_locked and alone elsewhere; never held across a listener
+        # call). A reader of the tables (poll's handle_status, status, stats, wait_drained)
+        # takes a copy in its own section and publishes what is still pending before it
+        # returns, so that listener events, log lines and counters agree with what it read.
+        # (Plain locks, looked up at call time, not a Condition: DPOR explorers see them.)
+        self._publish_lock = threading.Lock()
         self._unpublished: dict[After, None] = {}
         self._publishing = threading.local()  # .active: this thread runs a publication
 
@@ -274,7 +277,7 @@ class RoomTable:
         events or log lines, it is pending from now on, so that a reader whose section comes
         later publishes it (or waits for its publisher) before returning."""
         if after.logs or after.concluded or after.ended:
-            with self._publish_cv:
+            with self._publish_lock:
                 after.sealed = True
                 self._unpublished[after] = None
 
@@ -284,11 +287,19 @@ class RoomTable:
         if not after.sealed:
             after.run(self.events)
             return
-        with self._publish_cv:
+        with self._publish_lock:
             if after.claimed is not None:
                 return
-            after.claimed = threading.get_ident()
+            self._claim_locked(after)
         self._run_claimed(after)
+
+    def _claim_locked(self, after: After) -> None:
+        """This thread runs ``after``: it holds ``after.done`` until it ran. Caller holds
+        ``_publish_lock``."""
+        after.claimed = threading.get_ident()
+        done = threading.Lock()
+        done.acquire()  # a fresh lock: never blocks
+        after.done = done
 
     def _run_claimed(self, after: After) -> None:
         mark = self._publishing
@@ -298,16 +309,18 @@ class RoomTable:
             after.run(self.events)
         finally:
             mark.active = outer
-            with self._publish_cv:
+            with self._publish_lock:
                 self._unpublished.pop(after, None)
-                self._publish_cv.notify_all()
+                done = after.done
+            if done is not None:
+                done.release()  # wakes the readers waiting for it
 
     def pending_locked(self) -> list[After] | None:
         """The Afters sealed and not yet emitted, for :meth:`await_published` (``None``:
         none). Caller holds ``lock`` (any mode): every section this reader saw is included."""
         if not self._unpublished:  # a racy first look; a seal in a section we saw is visible
             return None
-        with self._publish_cv:
+        with self._publish_lock:
             return list(self._unpublished)
 
     def await_published(self, pending: list[After] | None) -> None:
@@ -319,18 +332,19 @@ class RoomTable:
         :class:`~sender.events.ManagerEvents`). Never raises."""
         if not pending or getattr(self._publishing, "active", False):
             return
-        me = threading.get_ident()
-        cv = self._publish_cv
         for after in pending:
-            with cv:
+            with self._publish_lock:
                 mine = after.claimed is None
                 if mine:
-                    after.claimed = me
-                else:
-                    while after in self._unpublished:
-                        cv.wait()
+                    self._claim_locked(after)
+                    done = None
+                else:  # another thread runs it; its lock is free once it ran
+                    done = after.done if after in self._unpublished else None
             if mine:
                 self._run_claimed(after)
+            elif done is not None:
+                with done:
+                    pass
 
     # ------------------------------------------------------------------ reads
 
