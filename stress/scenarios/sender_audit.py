@@ -113,7 +113,16 @@ SESSION = "decode-0"
 PEER_PAGES = 512
 DECODE_HOLD_S = 0.3  # the decode side uses a Success room's pages this long
 MIN_PHASE_S = 1.0
-SCHEDULER_JOIN_S = 7.0  # the driver's own deadline (5 s) plus a margin
+CLOSE_RACE_DEADLINE_S = 3.0  # the close-race scheduler's own deadline
+
+
+def scheduler_join_s(monitor: Monitor, deadline_s: float | None = None) -> float:
+    """How long a phase waits for its scheduler once admission stopped: the driver's own
+    deadline (``deadline_s``; by default the rig's, ``max(5 s, watchdog / 2)``), past which
+    it returns by itself, plus one watchdog period for its last step (a fixed 2 s margin was
+    once all a loaded machine got). A scheduler still running then is stuck, not slow."""
+    own = max(5.0, monitor.watchdog_s / 2) if deadline_s is None else deadline_s
+    return own + monitor.watchdog_s
 
 STARVED_REGION = "staging-starved"
 STARVED_SLOTS = 2
@@ -274,11 +283,12 @@ class _Run:
         while running():
             mon.stop.wait(0.05)
         driver.stop_admitting()
-        sched.join(SCHEDULER_JOIN_S)
+        join_s = scheduler_join_s(mon)
+        sched.join(join_s)
         if sched.is_alive():
             mon.violation(
                 ROOMS_CONCLUDED,
-                f"{name}: rooms still not concluded {SCHEDULER_JOIN_S:g} s after admission stopped",
+                f"{name}: rooms still not concluded {join_s:g} s after admission stopped",
             )
             driver.stop()
             sched.join(mon.watchdog_s)
@@ -568,7 +578,10 @@ class _Run:
         driver.on_admit = self.doomed.admit
         sched = mon.spawn(
             rig.scheduler(
-                mon, driver=driver, running=running, overrides=self.overrides(deadline_s=3.0)
+                mon,
+                driver=driver,
+                running=running,
+                overrides=self.overrides(deadline_s=CLOSE_RACE_DEADLINE_S),
             ),
             f"{name}:scheduler-{cycle}",
         )
@@ -588,7 +601,7 @@ class _Run:
         closed.set()
         if left:
             mon.violation(CLOSE_ATOMIC, f"{left} rooms open right after close() returned")
-        sched.join(SCHEDULER_JOIN_S)
+        sched.join(scheduler_join_s(mon, CLOSE_RACE_DEADLINE_S))
         if sched.is_alive():
             mon.violation(ROOMS_CONCLUDED, f"{name}: scheduler stuck after close()")
             driver.stop()
