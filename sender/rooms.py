@@ -84,20 +84,23 @@ class After:
     lines and sessions to fail. Made per call by the caller, filled under the lock, run
     (:meth:`run`) after it. Not thread-safe (one thread's scratch list)."""
 
-    __slots__ = ("claimed", "concluded", "done", "ended", "fatal", "logs", "sealed")
+    __slots__ = ("concluded", "ended", "fatal", "logs")
 
     def __init__(self) -> None:
         self.concluded: list[tuple[int, int, str, str, float]] = []
         self.ended: list[tuple[str, str, float, int]] = []
         self.logs: list[tuple[int, str, tuple[Any, ...]]] = []
         self.fatal: list[tuple[str, BaseException]] = []
-        # Publication (RoomTable.seal_locked / publish / await_published): ``sealed`` once
-        # its section made it pending; ``claimed``: the ident of the thread that runs it,
-        # which holds ``done`` (a fresh lock) until it ran (a waiter acquires and releases
-        # it). All three guarded by the table's _publish_lock once sealed.
-        self.sealed = False
-        self.claimed: int | None = None
-        self.done: threading.Lock | None = None
+
+    def must_seal(self) -> bool:
+        """Whether a reader must see it emitted (:meth:`RoomTable.seal_locked`): listener
+        events, or a log line at ``WARNING`` or above."""
+        if self.concluded or self.ended:
+            return True
+        for rec in self.logs:  # noqa: SIM110 (a plain loop, no generator: cheap under DPOR)
+            if rec[0] >= logging.WARNING:
+                return True
+        return False
 
     def run(self, events: ManagerEvents | None) -> None:
         """Emit the events and log lines (never raises: a listener error is logged)."""
@@ -266,40 +269,42 @@ class RoomTable:
         # takes a copy in its own section and publishes what is still pending before it
         # returns, so that listener events, log lines and counters agree with what it read.
         # (Plain locks, looked up at call time, not a Condition: DPOR explorers see them.)
+        # _unpublished maps a sealed After to the lock its publisher holds while emitting it
+        # (None until a thread took it on; a waiter acquires and releases that lock).
         self._publish_lock = threading.Lock()
-        self._unpublished: dict[After, None] = {}
+        self._unpublished: dict[After, threading.Lock | None] = {}
         self._publishing = threading.local()  # .active: this thread runs a publication
 
     # ------------------------------------------------------------------ publication
 
     def seal_locked(self, after: After) -> None:
-        """End of a deciding section (caller holds ``lock`` in write mode): if ``after`` has
-        events or log lines, it is pending from now on, so that a reader whose section comes
-        later publishes it (or waits for its publisher) before returning."""
-        if after.logs or after.concluded or after.ended:
+        """End of a deciding section (caller holds ``lock`` in write mode): if ``after``
+        must be seen emitted (:meth:`After.must_seal`: listener events, a ``WARNING``), it
+        is pending from now on, so that a reader whose section comes later publishes it (or
+        waits for its publisher) before returning. (``INFO``/``DEBUG`` lines alone are
+        emitted right after the section by the deciding thread.)"""
+        if after.must_seal():
             with self._publish_lock:
-                after.sealed = True
                 self._unpublished[after] = None
 
     def publish(self, after: After) -> None:
         """Emit ``after``'s events and log lines, unless a reader already took it over (the
         deciding thread calls this once its lock is released). Never raises."""
-        if not after.sealed:
+        if not after.must_seal():
             after.run(self.events)
             return
         with self._publish_lock:
-            if after.claimed is not None:
-                return
+            if after not in self._unpublished or self._unpublished[after] is not None:
+                return  # a reader emitted it, or is emitting it
             self._claim_locked(after)
         self._run_claimed(after)
 
     def _claim_locked(self, after: After) -> None:
-        """This thread runs ``after``: it holds ``after.done`` until it ran. Caller holds
-        ``_publish_lock``."""
-        after.claimed = threading.get_ident()
+        """This thread emits ``after``: it holds a fresh lock, found in ``_unpublished``,
+        until it did. Caller holds ``_publish_lock``."""
         done = threading.Lock()
         done.acquire()  # a fresh lock: never blocks
-        after.done = done
+        self._unpublished[after] = done
 
     def _run_claimed(self, after: After) -> None:
         mark = self._publishing
@@ -310,8 +315,7 @@ class RoomTable:
         finally:
             mark.active = outer
             with self._publish_lock:
-                self._unpublished.pop(after, None)
-                done = after.done
+                done = self._unpublished.pop(after, None)
             if done is not None:
                 done.release()  # wakes the readers waiting for it
 
@@ -324,25 +328,24 @@ class RoomTable:
             return list(self._unpublished)
 
     def await_published(self, pending: list[After] | None) -> None:
-        """Publish ``pending`` (from :meth:`pending_locked`) before returning: run each one no
-        thread took yet, here, and wait for those another thread is running. A thread that
-        is itself running a publication (a listener calling back into the manager) does not
-        wait, so two listeners reading back at once cannot wait for each other. Waits only
-        for listener calls already in progress (they should return quickly, see
+        """Publish ``pending`` (from :meth:`pending_locked`) before returning: emit each one
+        no thread took on yet, here, and wait for those another thread is emitting. A thread
+        that is itself emitting (a listener calling back into the manager) does not wait, so
+        two listeners reading back at once cannot wait for each other. Waits only for
+        listener calls already in progress (they should return quickly, see
         :class:`~sender.events.ManagerEvents`). Never raises."""
         if not pending or getattr(self._publishing, "active", False):
             return
         for after in pending:
             with self._publish_lock:
-                mine = after.claimed is None
-                if mine:
+                if after not in self._unpublished:
+                    continue  # emitted meanwhile
+                done = self._unpublished[after]
+                if done is None:
                     self._claim_locked(after)
-                    done = None
-                else:  # another thread runs it; its lock is free once it ran
-                    done = after.done if after in self._unpublished else None
-            if mine:
+            if done is None:
                 self._run_claimed(after)
-            elif done is not None:
+            else:  # another thread emits it; its lock is free once it did
                 with done:
                     pass
 
@@ -969,7 +972,7 @@ class RoomTable:
         Entries of ``ends``: ``(chunk, exc, abandoned, already_failed)``. Returns the
         after-effects, sealed (the caller publishes them: :meth:`publish`)."""
         after = After()
-        fatal_ends: list[tuple[str, BaseException]] = []
+        fatal_ends: list[tuple[str, BaseException]] | None = None
         now = time.monotonic()
         events = self.events is not None
         with self.lock.write_untimed():
@@ -1059,13 +1062,15 @@ class RoomTable:
                     chunk_idx=chunk.chunk_idx,
                 )
                 if fatal(exc):
+                    fatal_ends = fatal_ends or []
                     fatal_ends.append((chunk.session_id, exc))
             # The sessions fail in this section too: a reader that sees a room failed by a
             # fatal chunk sees its session failed and counted (sessions_failed) as well.
-            for session_id, fatal_exc in fatal_ends:
-                self.fail_session_locked(
-                    session_id, f"{type(fatal_exc).__name__}: {fatal_exc}", after
-                )
+            if fatal_ends is not None:
+                for session_id, fatal_exc in fatal_ends:
+                    self.fail_session_locked(
+                        session_id, f"{type(fatal_exc).__name__}: {fatal_exc}", after
+                    )
             self.seal_locked(after)
         return after
 
