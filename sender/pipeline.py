@@ -474,10 +474,10 @@ class ChunkPipeline:
             self.maybe_sweep()
             with rooms.lock.read():
                 pending = rooms.draining_of_locked(handle)
-                left = rooms.lingering_locked(handle)
                 unpublished = rooms.pending_locked()
+                left = rooms.lingering_locked(handle)
+            rooms.await_published(unpublished)  # the ends it saw are logged and told first
             if not left:
-                rooms.await_published(unpublished)  # its chunks' ends are told first
                 return True
             try:
                 self.poll_all(pending)
