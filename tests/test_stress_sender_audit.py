@@ -23,6 +23,7 @@ import pytest
 from stress.framework import registered
 from tests.fixtures_nixl import requires_nixl
 
+# Each test but the first runs the scenario as a subprocess (18-37 s each at load 12): `slow`.
 pytestmark = [pytest.mark.nixl, requires_nixl]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,7 @@ def test_sender_audit_is_part_of_the_default_run() -> None:
     assert "sender-audit" in registered()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_quick_sender_audit_holds_every_invariant(tmp_path: Path) -> None:
     rc, scenario = run_stress(tmp_path, "--quick", "--seed", "5")
@@ -83,6 +85,7 @@ def test_quick_sender_audit_holds_every_invariant(tmp_path: Path) -> None:
     assert phases["close-race:cycles"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_planted_quarantine_is_caught_by_the_page_audit(tmp_path: Path) -> None:
     """The old fixed quarantine (0 s here) reuses an aborted room's pages while its writes
@@ -98,6 +101,7 @@ def test_planted_quarantine_is_caught_by_the_page_audit(tmp_path: Path) -> None:
     # (The same phase on the drain rule is clean: test_quick_sender_audit_holds_every_invariant.)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_writes_outliving_their_deadline_never_corrupt_a_reused_page(tmp_path: Path) -> None:
     """``--plant-bug slow-network`` plants nothing in our code: the network holds aborted
@@ -116,6 +120,7 @@ def test_writes_outliving_their_deadline_never_corrupt_a_reused_page(tmp_path: P
     assert scenario["extra"]["writes_delayed"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_planted_lock_hold_is_reported_as_a_deadlock(tmp_path: Path) -> None:
     """The ``lock-timeout`` phase retries a refused ``footprint()`` until the run's deadline
