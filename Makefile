@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export NIXL_LOG_LEVEL ?= WARN
 export PYTHONUNBUFFERED = 1
 
-.PHONY: setup test lint unit stress stress-quick bench bench-quick bench-curves bench-instructions clean mutants sglang
+.PHONY: setup test test-slow test-all lint unit unit-slow stress stress-quick bench bench-quick bench-curves bench-instructions clean mutants sglang
 
 setup: $(STAMP)
 
@@ -23,10 +23,21 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# `make test` is the everyday run: lint + every test not marked `slow` (README, "Set-up and
+# tests"). `make test-slow` runs the `slow` ones (multi-second DPOR explorations, stress and
+# end-to-end subprocess runs); `make test-all` both, which is what CI runs (.ci/run).
 unit: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+unit-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 test: lint unit
+
+test-slow: unit-slow
+
+test-all: lint
+	$(PY) -m pytest -q
 
 # --two-hosts: the targets also run the scenario/benchmark that changes this host's network
 # (namespaces, veths, tc; root only, else reported skipped/pending); a plain `python -m stress`

@@ -60,7 +60,6 @@ REUSE_ORDERS = ("fifo", "lifo")
 # "draining" while draining(handle) > 0, and "staging_pool" while a worker that picked up one
 # of its chunks before the purge still holds the slot (it returns it when it skips the chunk
 # at the post gate, or when the chunk's transfer ends).
-_FOOTPRINT_RETRIES = 5
 
 
 def page_digests(pages: torch.Tensor) -> list[str]:
@@ -363,6 +362,10 @@ class SchedulerDriver:
         # Guarded by _live_lock: the handles of the rooms being driven now.
         self._live_lock = threading.Lock()
         self._live: dict[int, RoomHandle] = {}
+        # Scheduler thread only: the running run's deadline (time.monotonic()), and how often
+        # footprint() was refused with LockTimeoutError and tried again (all runs).
+        self._deadline = float("inf")
+        self.footprint_retries = 0
 
     def stop(self) -> None:
         """Ask a running ``run`` to abort what is left and return. Thread-safe."""
@@ -421,6 +424,7 @@ class SchedulerDriver:
         admitting = True
         t0 = time.monotonic()
         deadline = t0 + cfg.deadline_s
+        self._deadline = deadline
         while ((admitting and next_room < cfg.rooms) or active) and not self._stop.is_set():
             if time.monotonic() > deadline:
                 break
@@ -668,14 +672,29 @@ class SchedulerDriver:
             return None
 
     def _footprint(self, room: int, draining: int, escaped: list[str]) -> tuple[str, ...]:
-        for attempt in range(_FOOTPRINT_RETRIES):
+        """What the manager still holds for ``room`` (see :attr:`RoomOutcome.footprint`).
+
+        ``footprint()`` raises ``LockTimeoutError`` when the staging context has a
+        ``lock_timeout`` and another thread holds its lock longer (documented). That is no
+        fault: a long reader, or a holder descheduled on a busy machine, may hold it for any
+        number of ``lock_timeout`` periods. So it is tried again for as long as this run may
+        take (until its deadline, ``DriverConfig.deadline_s``, or :meth:`stop`); only a lock
+        still held then is reported (in ``escaped``). A lock held for good stops this thread's
+        progress, which is what a deadlock is: the stress suite's watchdog reports that."""
+        attempts = 0
+        while True:
             try:
                 held = self.mgr.footprint(room)
                 break
             except LockTimeoutError as exc:
-                if attempt == _FOOTPRINT_RETRIES - 1:
-                    escaped.append(f"room {room} footprint(): {exc!r}")
+                attempts += 1
+                if time.monotonic() >= self._deadline or self._stop.is_set():
+                    escaped.append(
+                        f"room {room} footprint(): {exc!r}: the lock stayed busy until the "
+                        f"run's deadline ({attempts} attempts)"
+                    )
                     return ()
+                self.footprint_retries += 1
         return tuple(
             n for n in held if not (n == "staging_pool" or (n == "draining" and draining > 0))
         )

@@ -299,11 +299,21 @@ class KVManager:
         """
         room = check_room_id(room)
         with self._room_lock.read():
-            return self.rooms.request_status.get(room)
+            status = self.rooms.request_status.get(room)
+            pending = self.rooms.pending_locked()
+        self.rooms.await_published(pending)
+        return status
 
     def handle_status(self, handle: RoomHandle) -> KVPoll | None:
         """The status of that opening, or ``None`` once it is purged (or ``handle`` is stale).
         One read-lock acquisition. Thread-safe.
+
+        Agrees with the counters and the listener: before it returns, the log lines and
+        :class:`~sender.events.ManagerEvents` calls of every change it shows were made (it
+        makes those that no thread started yet itself, and waits for those in progress on
+        another thread; a listener calling back into the manager never waits). So once
+        ``poll()`` says ``Failed``, ``stats()``, the room's WARNING and the listener's
+        metrics already show the failure.
 
         Raises:
             TypeError: ``handle`` is not a :class:`RoomHandle`.
@@ -311,9 +321,11 @@ class KVManager:
         _check_handle(handle)
         rooms = self.rooms
         with self._room_lock.read():
-            if rooms.live_locked(handle) is None:
-                return None
-            return rooms.request_status.get(handle.room)
+            live = rooms.live_locked(handle) is not None
+            status = rooms.request_status.get(handle.room) if live else None
+            pending = rooms.pending_locked()
+        rooms.await_published(pending)  # what it shows is logged and told first
+        return status
 
     def is_open(self, handle: RoomHandle) -> bool:
         """``True`` while that opening of the room is open. Thread-safe; read lock.
@@ -397,12 +409,15 @@ class KVManager:
         return tuple(held)
 
     def stats(self) -> ManagerStats:
-        """Frozen counters and gauges. Thread-safe; read lock."""
+        """Frozen counters and gauges. Thread-safe; read lock. Like :meth:`handle_status`,
+        returns once the log lines and listener calls of what they count were made."""
         rooms = self.rooms
         with self._room_lock.read():
             counts = dict(rooms.counts)
             by_code = MappingProxyType(dict(rooms.failed_by_code))
             open_rooms, inflight, draining = rooms.gauges()
+            pending = rooms.pending_locked()
+        rooms.await_published(pending)
         counts["worker_errors"] += rooms.unaccounted_errors
         notices = self.notifier.counts()
         return ManagerStats(

@@ -257,7 +257,7 @@ class ChunkPipeline:
             ends = self._post_all(unit) if registered else []
         if not registered:
             self._return_slots(unit)
-            skipped.run(rooms.events)
+            rooms.publish(skipped)
             return []
         self._log_posts(unit)
         if ends:
@@ -431,8 +431,7 @@ class ChunkPipeline:
     def _hang(self, chunk: Chunk, exc: BaseException) -> None:
         """The chunk passed its deadline while NIXL still has it in progress: fail its room
         now (and its session), but keep the chunk (transfer and slot) until it settles."""
-        if self.rooms.mark_hung(chunk, exc) and self.fail_session_on_disconnect:
-            self.rooms.fail_session(chunk.session_id, f"{type(exc).__name__}: {exc}")
+        self.rooms.mark_hung(chunk, exc, fail_session=self.fail_session_on_disconnect)
 
     def _fatal(self, exc: BaseException | None) -> bool:
         return self.fail_session_on_disconnect and isinstance(exc, SESSION_FATAL_ERRORS)
@@ -471,10 +470,7 @@ class ChunkPipeline:
                         chunk.session_id,
                         "abandoned" if abandoned else "done" if outcome is None else repr(outcome),
                     )
-            after.run(self.rooms.events)
-            if after.fatal:
-                for session_id, fatal in after.fatal:
-                    self.rooms.fail_session(session_id, f"{type(fatal).__name__}: {fatal}")
+            self.rooms.publish(after)  # the sessions to fail were failed in its section
         if error is not None:
             raise error
         return len(claimed)
@@ -534,7 +530,9 @@ class ChunkPipeline:
             self.maybe_sweep()
             with rooms.lock.read():
                 pending = rooms.draining_of_locked(handle)
+                unpublished = rooms.pending_locked()
                 left = rooms.lingering_locked(handle)
+            rooms.await_published(unpublished)  # the ends it saw are logged and told first
             if not left:
                 return True
             try:
@@ -543,7 +541,10 @@ class ChunkPipeline:
                 rooms.unaccounted_errors += 1
             if time.monotonic() >= deadline:
                 with rooms.lock.read():
-                    return rooms.lingering_locked(handle) == 0
+                    nothing_left = rooms.lingering_locked(handle) == 0
+                    unpublished = rooms.pending_locked()
+                rooms.await_published(unpublished)
+                return nothing_left
             time.sleep(0.0002)
 
     def abandon_draining(self) -> int:

@@ -92,6 +92,16 @@ class After:
         self.logs: list[tuple[int, str, tuple[Any, ...]]] = []
         self.fatal: list[tuple[str, BaseException]] = []
 
+    def must_seal(self) -> bool:
+        """Whether a reader must see it emitted (:meth:`RoomTable.seal_locked`): listener
+        events, or a log line at ``WARNING`` or above."""
+        if self.concluded or self.ended:
+            return True
+        for rec in self.logs:  # noqa: SIM110 (a plain loop, no generator: cheap under DPOR)
+            if rec[0] >= logging.WARNING:
+                return True
+        return False
+
     def run(self, events: ManagerEvents | None) -> None:
         """Emit the events and log lines (never raises: a listener error is logged)."""
         if self.logs:
@@ -260,6 +270,92 @@ class RoomTable:
         # A chunk's payload in bytes, for its chunk_ended event (set once by the chunk
         # pipeline, which knows the page size, before any chunk exists).
         self.nbytes: Callable[[Chunk], int] = _no_bytes
+        # --- Publication: the After of every deciding section that has events or log lines
+        # to emit, until they were emitted. Guarded by _publish_lock (a leaf lock, taken
+        # inside ``lock`` by seal_locked and alone elsewhere; never held across a listener
+        # call). A reader of the tables (poll's handle_status, status, stats, wait_drained)
+        # takes a copy in its own section and publishes what is still pending before it
+        # returns, so that listener events, log lines and counters agree with what it read.
+        # (Plain locks, looked up at call time, not a Condition: DPOR explorers see them.)
+        # _unpublished maps a sealed After to the lock its publisher holds while emitting it
+        # (None until a thread took it on; a waiter acquires and releases that lock).
+        self._publish_lock = threading.Lock()
+        self._unpublished: dict[After, threading.Lock | None] = {}
+        self._publishing = threading.local()  # .active: this thread runs a publication
+
+    # ------------------------------------------------------------------ publication
+
+    def seal_locked(self, after: After) -> None:
+        """End of a deciding section (caller holds ``lock`` in write mode): if ``after``
+        must be seen emitted (:meth:`After.must_seal`: listener events, a ``WARNING``), it
+        is pending from now on, so that a reader whose section comes later publishes it (or
+        waits for its publisher) before returning. (``INFO``/``DEBUG`` lines alone are
+        emitted right after the section by the deciding thread.)"""
+        if after.must_seal():
+            with self._publish_lock:
+                self._unpublished[after] = None
+
+    def publish(self, after: After) -> None:
+        """Emit ``after``'s events and log lines, unless a reader already took it over (the
+        deciding thread calls this once its lock is released). Never raises."""
+        if not after.must_seal():
+            after.run(self.events)
+            return
+        with self._publish_lock:
+            if after not in self._unpublished or self._unpublished[after] is not None:
+                return  # a reader emitted it, or is emitting it
+            self._claim_locked(after)
+        self._run_claimed(after)
+
+    def _claim_locked(self, after: After) -> None:
+        """This thread emits ``after``: it holds a fresh lock, found in ``_unpublished``,
+        until it did. Caller holds ``_publish_lock``."""
+        done = threading.Lock()
+        done.acquire()  # a fresh lock: never blocks
+        self._unpublished[after] = done
+
+    def _run_claimed(self, after: After) -> None:
+        mark = self._publishing
+        outer = getattr(mark, "active", False)
+        mark.active = True
+        try:
+            after.run(self.events)
+        finally:
+            mark.active = outer
+            with self._publish_lock:
+                done = self._unpublished.pop(after, None)
+            if done is not None:
+                done.release()  # wakes the readers waiting for it
+
+    def pending_locked(self) -> list[After] | None:
+        """The Afters sealed and not yet emitted, for :meth:`await_published` (``None``:
+        none). Caller holds ``lock`` (any mode): every section this reader saw is included."""
+        if not self._unpublished:  # a racy first look; a seal in a section we saw is visible
+            return None
+        with self._publish_lock:
+            return list(self._unpublished)
+
+    def await_published(self, pending: list[After] | None) -> None:
+        """Publish ``pending`` (from :meth:`pending_locked`) before returning: emit each one
+        no thread took on yet, here, and wait for those another thread is emitting. A thread
+        that is itself emitting (a listener calling back into the manager) does not wait, so
+        two listeners reading back at once cannot wait for each other. Waits only for
+        listener calls already in progress (they should return quickly, see
+        :class:`~sender.events.ManagerEvents`). Never raises."""
+        if not pending or getattr(self._publishing, "active", False):
+            return
+        for after in pending:
+            with self._publish_lock:
+                if after not in self._unpublished:
+                    continue  # emitted meanwhile
+                done = self._unpublished[after]
+                if done is None:
+                    self._claim_locked(after)
+            if done is None:
+                self._run_claimed(after)
+            else:  # another thread emits it; its lock is free once it did
+                with done:
+                    pass
 
     # ------------------------------------------------------------------ reads
 
@@ -480,7 +576,8 @@ class RoomTable:
                 )
                 if len(infos) == len(entry.sessions):
                     self.set_status_locked(handle.room, KVPoll.WaitingForInput)
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
         if short:
             raise ValueError(f"room {handle.room} failed: {reason}")
         return True
@@ -522,7 +619,8 @@ class RoomTable:
                 handle, exc, reason, after, code=code, session_id=session_id,
                 chunk_idx=chunk_idx,
             )
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
         return failed
 
     def purge(self, room: int, generation: int | None) -> ManagerPurge:
@@ -590,7 +688,8 @@ class RoomTable:
                     self.notifier.hold(entry.handle, notice, entry.sessions)
                 else:
                     self.notifier.enqueue(notice, entry.sessions)
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
         return ManagerPurge(
             room, True, status, tuple(tables), staged, 0, 0, exception, record, draining
         )
@@ -599,38 +698,50 @@ class RoomTable:
         """Fail every open, unconcluded room of ``session_id`` and drop the session's staging
         keys, in one write section (untimed); logged once for the session. Never raises for
         a state reason."""
-        failed: list[tuple[int, int]] = []
         after = After()
         with self.lock.write_untimed():
-            for room_id, entry in self.rooms.items():
-                if session_id not in entry.sessions:
-                    continue
-                if is_concluded(self.request_status.get(room_id)):
-                    continue
-                exc = KVTransferError(
-                    room_id,
-                    f"decode peer {session_id!r} failed: {reason}",
-                    generation=entry.handle.generation,
-                    session_id=session_id,
-                )
-                self.fail_locked(
-                    entry.handle, exc, exc.reason, after, code="peer-failed",
-                    session_id=session_id, quiet=True,
-                )
-                failed.append((room_id, entry.handle.generation))
-            self.staging.purge_session(session_id)
-            self.counts["sessions_failed"] += 1
-        named = ", ".join(f"{r} (gen {g})" for r, g in failed[:MAX_ROOMS_LOGGED])
-        more = len(failed) - MAX_ROOMS_LOGGED
+            failed = self.fail_session_locked(session_id, reason, after)
+            self.seal_locked(after)
+        self.publish(after)
+        return failed
+
+    def fail_session_locked(self, session_id: str, reason: str, after: After) -> frozenset[int]:
+        """:meth:`fail_session`'s section (caller holds ``lock`` in write mode): the rooms'
+        status, ``sessions_failed`` and the session's log line (in ``after``) change in the
+        caller's section, so a reader never sees the rooms failed and the counter not."""
+        failed: list[tuple[int, int]] = []
+        for room_id, entry in self.rooms.items():
+            if session_id not in entry.sessions:
+                continue
+            if is_concluded(self.request_status.get(room_id)):
+                continue
+            exc = KVTransferError(
+                room_id,
+                f"decode peer {session_id!r} failed: {reason}",
+                generation=entry.handle.generation,
+                session_id=session_id,
+            )
+            self.fail_locked(
+                entry.handle, exc, exc.reason, after, code="peer-failed",
+                session_id=session_id, quiet=True,
+            )
+            failed.append((room_id, entry.handle.generation))
+        self.staging.purge_session(session_id)
+        self.counts["sessions_failed"] += 1
         # Once per wave of rooms: a session is failed again by every later chunk that sees
         # the same error, which finds nothing left to fail (DEBUG then).
-        logger.log(
-            logging.WARNING if failed else logging.DEBUG,
-            "decode session %r failed (%s): %d unconcluded rooms failed%s%s",
-            session_id, reason, len(failed), f": {named}" if failed else "",
-            f" and {more} more" if more > 0 else "",
-        )
-        after.run(self.events)
+        level = logging.WARNING if failed else logging.DEBUG
+        if failed or logger.isEnabledFor(logging.DEBUG):
+            named = ", ".join(f"{r} (gen {g})" for r, g in failed[:MAX_ROOMS_LOGGED])
+            more = len(failed) - MAX_ROOMS_LOGGED
+            after.logs.append(
+                (
+                    level,
+                    "decode session %r failed (%s): %d unconcluded rooms failed%s%s",
+                    (session_id, reason, len(failed), f": {named}" if failed else "",
+                     f" and {more} more" if more > 0 else ""),
+                )
+            )
         return frozenset(r for r, _ in failed)
 
     def close_begin(self) -> list[RoomHandle]:
@@ -742,8 +853,10 @@ class RoomTable:
                     entry.inflight[chunk.chunk_id] = chunk
             elif enqueue is not None:
                 enqueue(chunks)
+            if after is not None:
+                self.seal_locked(after)
         if after is not None:
-            after.run(self.events)
+            self.publish(after)
         return chunks
 
     def register(
@@ -751,15 +864,16 @@ class RoomTable:
     ) -> bool:
         """The post fence's check-and-register (the caller holds ``entry.gate``): if the
         opening is still open and not failed, register ``chunks`` as in flight (``True``);
-        else count them skipped (``False``; their events go to ``after``, which the caller
-        runs once it released the gate: listeners never run under a lock of the model). One
-        write section."""
+        else count them skipped (``False``; their events go to ``after``, sealed, which the
+        caller publishes once it released the gate: listeners never run under a lock of the
+        model). One write section."""
         with self.lock.write():
             if self.postable_locked(handle, entry, count=True):
                 for chunk in chunks:
                     entry.inflight[chunk.chunk_id] = chunk
                 return True
             self.skipped_locked(chunks, after)
+            self.seal_locked(after)
             return False
 
     def still_postable(self, handle: RoomHandle, entry: RoomEntry) -> bool:
@@ -795,7 +909,8 @@ class RoomTable:
             if len(kept) != len(staged):
                 ids = {c.chunk_id for c in kept}
                 self.skipped_locked([c for c in staged if c.chunk_id not in ids], after)
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
         if complete:
             self.staging.mark_prefetched(handle)
         return kept
@@ -816,7 +931,8 @@ class RoomTable:
         after = After()
         with self.lock.write():
             self.skipped_locked(chunks, after)
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
 
     def _ended_locked(self, chunk: Chunk, outcome: str, after: After) -> None:
         """Count ``chunk`` ended ``outcome`` (``"failed"`` or ``"skipped"``) before its post
@@ -845,7 +961,8 @@ class RoomTable:
                 entry.jobs_done += 1
                 self.counts["chunks_done"] += 1
                 self.maybe_succeed_locked(entry, after)
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
 
     def slot_failed(self, chunk: Chunk, exc: BaseException) -> None:
         """No staging slot for ``chunk``: fail its room (the chunk ends failed, or skipped if
@@ -859,7 +976,8 @@ class RoomTable:
                 self._ended_locked(chunk, "failed", after)
             else:
                 self._ended_locked(chunk, "skipped", after)
-        after.run(self.events)
+            self.seal_locked(after)
+        self.publish(after)
 
     def internal_error(self, chunk: Chunk, exc: BaseException, *, chunk_ends: bool) -> None:
         """An unexpected error while handling ``chunk``: count it and fail the room; with
@@ -875,14 +993,15 @@ class RoomTable:
                 )
                 if chunk_ends:
                     self._ended_locked(chunk, "failed" if failed else "skipped", after)
-            after.run(self.events)
+                self.seal_locked(after)
+            self.publish(after)
         except BaseException:
             self.unaccounted_errors += 1
 
-    def mark_hung(self, chunk: Chunk, exc: BaseException) -> bool:
+    def mark_hung(self, chunk: Chunk, exc: BaseException, *, fail_session: bool = False) -> bool:
         """The chunk passed its deadline while NIXL still has it in progress: fail its room
-        now, keep the chunk (transfer and slot) until it settles. ``False`` if it was hung or
-        ended already."""
+        now (with ``fail_session``, its session too, in the same section), keep the chunk
+        (transfer and slot) until it settles. ``False`` if it was hung or ended already."""
         after = After()
         with self.lock.write_untimed():
             if chunk.hung is not None or chunk.ended:
@@ -896,7 +1015,10 @@ class RoomTable:
                 chunk.handle, exc, reason, after, code="timeout",
                 session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
             )
-        after.run(self.events)
+            if fail_session:
+                self.fail_session_locked(chunk.session_id, f"{type(exc).__name__}: {exc}", after)
+            self.seal_locked(after)
+        self.publish(after)
         return True
 
     def account_ends(
@@ -908,11 +1030,12 @@ class RoomTable:
         """The locked half of ending chunks (each already claimed, released and its slot
         returned by the caller), all in one write section: unregister each, count it (done,
         failed or drained), advance or fail its open room, queue its opening's held notice
-        once its last draining chunk ended, and collect the sessions to fail
-        (``after.fatal``: ``fatal(exc)`` and the chunk was not already failed). Entries of
-        ``ends``: ``(chunk, exc, abandoned, already_failed)``. Returns the after-effects
-        (the caller runs them, then fails the sessions)."""
+        once its last draining chunk ended, and fail the session of each chunk whose
+        ``fatal(exc)`` holds and that was not already failed (:meth:`fail_session_locked`).
+        Entries of ``ends``: ``(chunk, exc, abandoned, already_failed)``. Returns the
+        after-effects, sealed (the caller publishes them: :meth:`publish`)."""
         after = After()
+        fatal_ends: list[tuple[str, BaseException]] | None = None
         now = time.monotonic()
         events = self.events is not None
         with self.lock.write_untimed():
@@ -1003,7 +1126,16 @@ class RoomTable:
                     chunk_idx=chunk.chunk_idx,
                 )
                 if fatal(exc):
-                    after.fatal.append((chunk.session_id, exc))
+                    fatal_ends = fatal_ends or []
+                    fatal_ends.append((chunk.session_id, exc))
+            # The sessions fail in this section too: a reader that sees a room failed by a
+            # fatal chunk sees its session failed and counted (sessions_failed) as well.
+            if fatal_ends is not None:
+                for session_id, fatal_exc in fatal_ends:
+                    self.fail_session_locked(
+                        session_id, f"{type(fatal_exc).__name__}: {fatal_exc}", after
+                    )
+            self.seal_locked(after)
         return after
 
     def pending_of(self, handle: RoomHandle) -> list[Chunk]:

@@ -99,6 +99,7 @@ def test_lifecycle_profile_tiny_and_restores_validators() -> None:
         assert getattr(staging_context, name) is getattr(staging_validate, name)
 
 
+@pytest.mark.slow  # 23 s at load 12
 def test_interleave_shuffles_and_collects() -> None:
     calls: list[str] = []
 
@@ -464,6 +465,7 @@ def test_instructions_parse_windows_line() -> None:
         instructions.parse_windows("WINDOWS empty:x")
 
 
+@pytest.mark.slow  # 17 s at load 12
 def test_callgrind_child_runs_natively() -> None:
     """The counted program, without valgrind: every window runs on the current API."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="0")

@@ -244,7 +244,11 @@ class UpdateVsSnapshot:
         )
 
 
-@pytest.mark.parametrize("lock", LOCK_KINDS)
+# The mutex exploration is the suite's longest single test (115 s at load 12): `slow` (CI runs
+# it, `make test` does not; the rw one, 3 s, stays in both).
+@pytest.mark.parametrize(
+    "lock", [pytest.param(k, marks=pytest.mark.slow) if k == "mutex" else k for k in LOCK_KINDS]
+)
 def test_update_is_one_critical_section(lock: str) -> None:
     state = type("State", (UpdateVsSnapshot,), {"lock": lock})
     result = explore(

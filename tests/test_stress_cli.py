@@ -70,6 +70,7 @@ def test_quick_staging_race_holds_every_invariant(tmp_path: Path) -> None:
 
 
 @pytest.mark.nixl
+@pytest.mark.slow  # every sender scenario --quick as a subprocess: 25 s at load 12
 @pytest.mark.timeout(120)
 def test_quick_sender_scenarios_hold_every_invariant(tmp_path: Path) -> None:
     """The two NIXL scenarios (real peer processes, injected faults, SIGKILL/SIGSTOP)."""

@@ -290,3 +290,67 @@ def test_delayed_write_released_before_its_post_still_lands(
     xfer.release()
     assert peer.page_digest([42]) == sp.digests([7])
     assert np.array_equal(peer.pool[42].numpy(), sp.pool[7].numpy())
+
+
+@requires_nixl
+@pytest.mark.nixl
+@pytest.mark.timeout(60)
+def test_driver_retries_a_refused_footprint_while_the_lock_is_busy_not_a_fixed_count(
+    rig: tuple[FaultInjectingTransport, SenderPool, Any],
+) -> None:
+    """Under ``lock_timeout=10 ms`` a busy staging lock refuses ``footprint()``; the driver
+    must try again as long as its run may take (it once gave up after 5 refusals, and a
+    loaded machine's reader held the lock longer). Deterministic: the holder gives the lock
+    back only once the lock counted more refusals than the old limit (lock stats), and once
+    the run's deadline has passed a lock still held is reported."""
+    import threading
+
+    from staging.context import StagingContext
+
+    injector, sp, peer = rig
+    staging = StagingContext(lock_timeout=0.01, debug=True)
+    with KVManager(injector, sp.pool, num_workers=2, staging=staging) as mgr:
+        driver = _driver(mgr, peer)
+        lock = staging.lock
+        done = threading.Event()
+        refusals = 8  # more than the old fixed 5
+
+        def hold() -> None:
+            lock.acquire_write_untimed()
+            try:
+                end = time.monotonic() + 30.0  # bounded; normally milliseconds
+                while lock.stats().timeouts < refusals and not done.is_set():
+                    assert time.monotonic() < end, "the driver stopped asking"
+                    time.sleep(0.001)
+            finally:
+                lock.release_write()
+
+        holder = threading.Thread(target=hold, name="holder", daemon=True)
+        holder.start()
+        while not lock.stats().write_acquisitions:  # the holder has it
+            time.sleep(0.001)
+        escaped: list[str] = []
+        try:
+            assert driver._footprint(12345, 0, escaped) == ()
+        finally:
+            done.set()
+            holder.join(10.0)
+        assert not holder.is_alive()
+        assert escaped == [], escaped
+        assert driver.footprint_retries >= refusals
+        # Past the run's deadline a lock still held is reported, not waited for.
+        done.clear()
+        refusals = 1 << 30  # the holder keeps it until told
+        holder = threading.Thread(target=hold, name="holder-2", daemon=True)
+        before = lock.stats().write_acquisitions
+        holder.start()
+        while lock.stats().write_acquisitions == before:
+            time.sleep(0.001)
+        try:
+            driver._deadline = time.monotonic()
+            assert driver._footprint(12345, 0, escaped) == ()
+        finally:
+            done.set()
+            holder.join(10.0)
+        assert not holder.is_alive()
+        assert len(escaped) == 1 and "LockTimeoutError" in escaped[0], escaped

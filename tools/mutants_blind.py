@@ -158,13 +158,11 @@ _STUDY: tuple[Mutant, ...] = (
         file="sender/pipeline.py",
         original=(
             "                left = rooms.lingering_locked(handle)\n"
-            "            if not left:\n"
-            "                return True\n"
+            "            rooms.await_published(unpublished)"
         ),
         replacement=(
             "                left = len(pending)\n"
-            "            if not left:\n"
-            "                return True\n"
+            "            rooms.await_published(unpublished)"
         ),
         kind="race",
         description=(

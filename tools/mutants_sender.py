@@ -30,10 +30,10 @@ MUTANTS: tuple[Mutant, ...] = (
         id="fail-session-keeps-staging-keys",
         file=ROOMS,
         original="""\
-            self.staging.purge_session(session_id)
+        self.staging.purge_session(session_id)
 """,
         replacement="""\
-            pass  # MUTANT: the failed session's staging keys are left behind
+        pass  # MUTANT: the failed session's staging keys are left behind
 """,
         kind="sequential",
         description="KVManager.fail_session does not call staging.purge_session: the dead "

@@ -19,7 +19,15 @@ every page again right before it is handed to the next room:
     while transfers are in flight (the transport releases them).
 ``lock-timeout``
     the staging context has ``lock_timeout=10 ms`` and holds 40k keys of other rooms; a reader
-    thread calls ``snapshot()`` (tens of ms under the read lock) again and again.
+    thread calls ``snapshot()`` (tens of ms under the read lock) again and again. The 10 ms is
+    the sender's setting under test (every timed wait inside it must survive the timeout), not
+    a bound of the check: the reference driver tries a refused ``footprint()`` again until its
+    own deadline (``lock-timeout:footprint_retries`` counts them), since a lock held by a
+    descheduled thread for many periods is not stuck. A lock held for good is a deadlock: the
+    scheduler and the reader stop making progress (a timed-out ``snapshot()`` counts as none)
+    and the watchdog reports ``no-deadlock``. ``--plant-bug lock-hold`` plants exactly that (a
+    thread takes the staging lock for writing and keeps it until the run is stopped, at most
+    :data:`PLANT_HOLD_PERIODS` watchdog periods).
 ``inline-progress``
     ``num_workers=0``: transfers run inline; a second thread calls ``mgr.progress(handle)`` on
     the same rooms the scheduler polls. Some infos arrive after ``init()``, some too short.
@@ -98,13 +106,23 @@ PHASES: dict[str, str] = {
     "close-race": "KVManager.close() racing open_room",
 }
 PHASES_ENV = "STRESS_SENDER_AUDIT_PHASES"
-PLANTED_BUGS = ("quarantine", "slow-network", PLANT_NO_NOTICES)
+PLANT_LOCK_HOLD = "lock-hold"
+PLANTED_BUGS = ("quarantine", "slow-network", PLANT_NO_NOTICES, PLANT_LOCK_HOLD)
 
 SESSION = "decode-0"
 PEER_PAGES = 512
 DECODE_HOLD_S = 0.3  # the decode side uses a Success room's pages this long
 MIN_PHASE_S = 1.0
-SCHEDULER_JOIN_S = 7.0  # the driver's own deadline (5 s) plus a margin
+CLOSE_RACE_DEADLINE_S = 3.0  # the close-race scheduler's own deadline
+
+
+def scheduler_join_s(monitor: Monitor, deadline_s: float | None = None) -> float:
+    """How long a phase waits for its scheduler once admission stopped: the driver's own
+    deadline (``deadline_s``; by default the rig's, ``max(5 s, watchdog / 2)``), past which
+    it returns by itself, plus one watchdog period for its last step (a fixed 2 s margin was
+    once all a loaded machine got). A scheduler still running then is stuck, not slow."""
+    own = max(5.0, monitor.watchdog_s / 2) if deadline_s is None else deadline_s
+    return own + monitor.watchdog_s
 
 STARVED_REGION = "staging-starved"
 STARVED_SLOTS = 2
@@ -117,6 +135,8 @@ ABORT_LAG_S = 0.003  # after that chunk was sent: it is then queued, waiting or 
 RELEASE_EVERY_S = (0.15, 0.4)
 
 LOCK_TIMEOUT_S = 0.01
+PLANT_HOLD_AFTER_S = 0.2  # the planted holder takes the lock this long into the phase
+PLANT_HOLD_PERIODS = 3.0  # and gives it back once the run is stopped, or after this many periods
 FILL_ROOMS = 2000
 FILL_KEYS = 20
 FILL_BASE = 1 << 40
@@ -263,11 +283,12 @@ class _Run:
         while running():
             mon.stop.wait(0.05)
         driver.stop_admitting()
-        sched.join(SCHEDULER_JOIN_S)
+        join_s = scheduler_join_s(mon)
+        sched.join(join_s)
         if sched.is_alive():
             mon.violation(
                 ROOMS_CONCLUDED,
-                f"{name}: rooms still not concluded {SCHEDULER_JOIN_S:g} s after admission stopped",
+                f"{name}: rooms still not concluded {join_s:g} s after admission stopped",
             )
             driver.stop()
             sched.join(mon.watchdog_s)
@@ -394,14 +415,29 @@ class _Run:
                     try:
                         staging.snapshot()
                         reads[0] += 1
+                        counters.ops += 1  # a read done; a timed-out one is no progress
                     except LockTimeoutError:  # a reader may time out too: documented
                         reads[1] += 1
-                    counters.ops += 1
                     time.sleep(rng.random() * 0.03)
 
             return run
 
-        self.drive(name, index, seconds, overrides=self.overrides(), extras=[("reader", reader)])
+        def holder(running: Callable[[], bool], driver: SchedulerDriver) -> Callable[[], None]:
+            def run() -> None:  # the planted deadlock: the lock taken and never given back
+                mon.stop.wait(PLANT_HOLD_AFTER_S)
+                staging.lock.acquire_write_untimed()
+                try:
+                    mon.stop.wait(PLANT_HOLD_PERIODS * mon.watchdog_s)
+                finally:
+                    staging.lock.release_write()
+
+            return run
+
+        extras: list[tuple[str, ExtraThread]] = [("reader", reader)]
+        if self.config.plant_bug == PLANT_LOCK_HOLD:
+            extras.append(("planted-holder", holder))
+        driver = self.drive(name, index, seconds, overrides=self.overrides(), extras=extras)
+        self.extra[f"{name}:footprint_retries"] = driver.footprint_retries
         for handle in fillers:  # nobody else holds the lock now
             staging.purge_room(handle)
         self.extra[f"{name}:snapshots"] = reads[0]
@@ -542,7 +578,10 @@ class _Run:
         driver.on_admit = self.doomed.admit
         sched = mon.spawn(
             rig.scheduler(
-                mon, driver=driver, running=running, overrides=self.overrides(deadline_s=3.0)
+                mon,
+                driver=driver,
+                running=running,
+                overrides=self.overrides(deadline_s=CLOSE_RACE_DEADLINE_S),
             ),
             f"{name}:scheduler-{cycle}",
         )
@@ -562,7 +601,7 @@ class _Run:
         closed.set()
         if left:
             mon.violation(CLOSE_ATOMIC, f"{left} rooms open right after close() returned")
-        sched.join(SCHEDULER_JOIN_S)
+        sched.join(scheduler_join_s(mon, CLOSE_RACE_DEADLINE_S))
         if sched.is_alive():
             mon.violation(ROOMS_CONCLUDED, f"{name}: scheduler stuck after close()")
             driver.stop()
