@@ -43,7 +43,7 @@ interleaved round by round.
 
 Goals (reported, never asserted), issue 19's first: a 64 KiB write of ours (plain index
 arrays) within 1.25x raw prepped's time, and ours >= 0.9x raw prepped GB/s at 1 MiB; then
-the README's: ours >= 0.9x raw prepped at 16 MiB and for the two scattered cases, ours' CPU
+docs/PERFORMANCE.md's: ours >= 0.9x raw prepped at 16 MiB and for the two scattered cases, ours' CPU
 per GB <= 1.2x raw prepped's on those cases and at 64 KiB, and the same three for
 ``checked``. The torch ratios are reported, no longer judged (the goal of >= 0.8x torch
 ``copy_`` for >= 1 MiB gave way to the raw prepped anchor); they use the faster torch cell
@@ -925,7 +925,7 @@ def _report(
             lambda v: v >= ANCHOR_RATIO,
             "ours/prepped",
         ),
-        # ... then the README's: the larger cases and CPU, for ours and for checked pages.
+        # ... then docs/PERFORMANCE.md's: the larger cases and CPU, for ours and for checked pages.
         _goal(
             f"plain index arrays >= {ANCHOR_RATIO:g}x {PREPPED} GB/s at 16 MiB and 1024 "
             "scattered 16 KiB pages",

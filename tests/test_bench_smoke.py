@@ -230,7 +230,7 @@ def test_throughput_tiny() -> None:
         for way in (*cpu_ways, throughput.RAW, throughput.RAW_TX):
             assert len(result.samples[f"{case.name} | {way} CPU ms/GB"]) == preset.rounds
     # Issue 19's two goals first (64 KiB time, plain index arrays at 1 MiB), then the
-    # README's; every goal case measured.
+    # docs/PERFORMANCE.md's; every goal case measured.
     assert "64 KiB" in result.goals[0].text and "1.25x" in result.goals[0].text
     assert "plain index arrays >= 0.9x" in result.goals[1].text
     assert "1 MiB" in result.goals[1].text
@@ -247,7 +247,7 @@ def test_stress_rooms_tiny() -> None:
     reference = next(r for r in result.rows if r["variant"] == stress_rooms.REFERENCE)
     assert reference[f"/{stress_rooms.REFERENCE}"] == 1.0
     assert result.goals[0].met is None  # report only
-    # Judged against the library default, as the README is (issue 18).
+    # Judged against the library default, as docs/PERFORMANCE.md is.
     assert stress_rooms.REFERENCE == "mutex" and "default (mutex)" in result.goals[0].text
 
 
