@@ -772,3 +772,54 @@ def test_one_sweeper_at_a_time_at_every_preemption_point() -> None:
     print(f"sweep vs sweep: {result.schedules} schedules, {result.blocked} blocked")
     assert result.schedules >= 3
     assert not result.failures, result.failures[:3]
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_waiting_for_a_slot_still_fails_its_hung_chunks_room_by_the_deadline(
+    sender_pool: SenderPool, peer_factory: Callable[..., Any]
+) -> None:
+    """The contract: a posted chunk ends at the latest at its first poll after its deadline,
+    and workers poll without pause. A worker that waits for a staging slot is still a worker:
+    here the only slot is held by the room's first chunk, posted to a peer that is really
+    stopped (SIGSTOP), and the worker waits for a slot for the room's second chunk. Its room
+    must read Failed for the first chunk's deadline (``TransferTimeoutError``), long before
+    the slot wait's own bound (``slot_timeout_s`` = 120 s; the check allows 60 s, so a loaded
+    machine cannot fail it): a worker that polled nothing but known-hung chunks while it
+    waits would fail the room only when the wait gave up ("no staging slot"). (The code
+    passes it on 3a76f2e too: the worker polls its posted chunk before it takes the next
+    unit. It was written while looking into a two-hosts partition phase where in-flight
+    rooms failed with PoolExhaustedError at the rig's slot_timeout_s.)
+    """
+    peer = peer_factory()
+    sender_pool.transport.add_peer("hung", peer.metadata)
+    pool = StagingBufferPool(1, 1, PAGE_BYTES)
+    sender_pool.transport.register_region("staging", pool.tensor, PAGE_BYTES)
+    mgr = KVManager(
+        sender_pool.transport, sender_pool.pool, num_workers=1, staging_pool=pool,
+        transfer_timeout_s=0.2, slot_timeout_s=120.0, fail_session_on_disconnect=False,
+    )
+    try:
+        _warm_up(mgr, "hung")
+        peer.stop()
+        doomed = NixlKVSender(mgr, 2, ["hung"], [make_transfer_info("hung", [1, 2])])
+        doomed.init(2)
+        doomed.send([4])
+        doomed.send([5])  # waits on the worker for the slot that the first chunk holds
+        assert _wait(lambda: doomed.poll() is KVPoll.Failed, 60), (
+            "the room stayed Transferring while its worker waited for a slot: "
+            f"{mgr.stats()}"
+        )
+        exc = mgr.exceptions.get(2)
+        assert "TransferTimeoutError" in repr(exc) or "deadline" in repr(exc), repr(exc)
+        assert "no staging slot" not in repr(exc), repr(exc)
+        # The waiting chunk gives up its wait once its room failed: skipped, not failed at
+        # the end of slot_timeout_s.
+        assert _wait(lambda: mgr.stats().chunks_skipped >= 1, 60), mgr.stats()
+        doomed.clear()
+        peer.cont()
+        assert mgr.wait_drained(doomed.handle, 60), "the settled hung chunk never ended"
+    finally:
+        peer.cont()
+        mgr.close()
+        pool.close()
+    _ended_once(mgr)
