@@ -54,8 +54,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, MutableSet, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, ClassVar, Final, Generic, TypeVar
 
+from staging._views import FixedViews
 from staging.context import (
     PrefetchKey,
     RoomPurge,
@@ -81,7 +82,6 @@ DEFAULT_TOMBSTONES = 65536
 LOG: Final = logging.getLogger("staging.compat")
 """Where the first refused write of each remembered id is logged (WARNING)."""
 
-_VIEW_NAMES: Final = frozenset({"prefetched_rooms", "prefetch_requested"})
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -1018,7 +1018,7 @@ class PrefetchRequestedView(_SetView[PrefetchKey]):
         return self._core.requested_snapshot()
 
 
-class CompatStagingContext:
+class CompatStagingContext(FixedViews):
     """Staging prefetch state shaped like the upstream two sets, safe to share between
     threads. See the module docstring for the semantics, the tombstones and reused ids.
 
@@ -1047,6 +1047,12 @@ class CompatStagingContext:
             must be an ``int`` >= 0).
     """
 
+    VIEW_NAMES: ClassVar[frozenset[str]] = frozenset({"prefetched_rooms", "prefetch_requested"})
+    REBIND_HINT: ClassVar[str] = (
+        "to drop a room from prefetched_rooms and prefetch_requested, call "
+        "ctx.purge_room(room) (atomic, O(keys of the room)) instead of rebuilding the set"
+    )
+
     __slots__ = ("_core", "prefetch_requested", "prefetched_rooms")
 
     def __init__(
@@ -1070,25 +1076,6 @@ class CompatStagingContext:
         self.prefetched_rooms: PrefetchedRoomsView = PrefetchedRoomsView(core)
         self.prefetch_requested: PrefetchRequestedView = PrefetchRequestedView(core)
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _VIEW_NAMES:
-            current = getattr(self, name, None)
-            if current is None:  # the one assignment, in __init__
-                object.__setattr__(self, name, value)
-                return
-            if value is current:
-                return  # `ctx.view |= {...}` mutated the view in place and stores it back
-            raise TypeError(
-                f"{name} is a live thread-safe view and cannot be rebound: to drop a room "
-                "from prefetched_rooms and prefetch_requested, call ctx.purge_room(room) "
-                "(atomic, O(keys of the room)) instead of rebuilding the set"
-            )
-        object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name in _VIEW_NAMES:
-            raise TypeError(f"{name} cannot be deleted; call ctx.purge_room(room)")
-        object.__delattr__(self, name)
 
     # ------------------------------------------------------------------ operations
 

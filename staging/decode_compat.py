@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable, Iterator, Mapping, MutableMapping
-from typing import Any, Final
+from typing import Any, ClassVar, Final
+
+from staging._views import FixedViews
 
 __all__ = ["DecodeCompatContext", "LockedDictView", "RoomEntry"]
 
-_VIEW_NAMES: Final = frozenset({"room_bootstrap", "room_receivers"})
 _MISSING: Final = object()
 
 RoomEntry = tuple[Any, Any]
@@ -212,7 +213,7 @@ class LockedDictView(MutableMapping[Any, Any]):
         return f"<{self._name} (locked view) {self.snapshot()!r}>"
 
 
-class DecodeCompatContext:
+class DecodeCompatContext(FixedViews):
     """The decode staging context: ``room_bootstrap`` and ``room_receivers`` as live views
     on one lock, plus the per-room compound operations (module docstring).
 
@@ -231,6 +232,13 @@ class DecodeCompatContext:
         nothing (no arguments).
     """
 
+    VIEW_NAMES: ClassVar[frozenset[str]] = frozenset({"room_bootstrap", "room_receivers"})
+    REBIND_HINT: ClassVar[str] = (
+        "drop a room from both dicts with ctx.purge_room(room), add one with "
+        "ctx.register_room(room, bootstrap_infos, receiver)"
+    )
+
+
     def __init__(self) -> None:
         lock = threading.Lock()
         self._lock: Final = lock
@@ -244,25 +252,6 @@ class DecodeCompatContext:
             "room_receivers", lock, self._receivers
         )
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _VIEW_NAMES:
-            current = getattr(self, name, None)
-            if current is None:  # the one assignment, in __init__
-                object.__setattr__(self, name, value)
-                return
-            if value is current:
-                return  # an in-place operator stored the view back
-            raise TypeError(
-                f"{name} is a live thread-safe view and cannot be rebound: drop a room "
-                "from both dicts with ctx.purge_room(room), add one with "
-                "ctx.register_room(room, bootstrap_infos, receiver)"
-            )
-        object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name in _VIEW_NAMES:
-            raise TypeError(f"{name} cannot be deleted; call ctx.purge_room(room)")
-        object.__delattr__(self, name)
 
     # ------------------------------------------------------------------ per-room pairs
 
