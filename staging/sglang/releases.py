@@ -77,15 +77,19 @@ class Target:
     does: str  # what the plugin changes there (or relies on), in a few words
 
 
+# The same released source in both releases (one fingerprint).
+_PREFILL_CLASS: Final = Target(
+    f"{_SH}.PrefillStagingContext",
+    "staging_class",
+    "REPLACE",
+    "79b39c1eb4e765e6",
+    "the prefill staging dataclass -> a CompatStagingContext (locked views)",
+)
+
+
 RELEASES: Final[dict[str, tuple[Target, ...]]] = {
     "0.5.21": (
-        Target(
-            f"{_SH}.PrefillStagingContext",
-            "staging_class",
-            "REPLACE",
-            "79b39c1eb4e765e6",
-            "the prefill staging dataclass -> a CompatStagingContext (locked views)",
-        ),
+        _PREFILL_CLASS,
         Target(
             f"{_NIXL}.NixlKVSender.clear",
             "purge_then_clear",
@@ -111,13 +115,7 @@ RELEASES: Final[dict[str, tuple[Target, ...]]] = {
         *_decode(),
     ),
     "0.5.23": (
-        Target(
-            f"{_SH}.PrefillStagingContext",
-            "staging_class",
-            "REPLACE",
-            "79b39c1eb4e765e6",
-            "the prefill staging dataclass -> a CompatStagingContext (locked views)",
-        ),
+        _PREFILL_CLASS,
         Target(
             f"{_COMMON}.CommonKVSender.clear",
             "purge_then_clear",
