@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import gc
 import random
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -192,14 +191,7 @@ def test_register_vs_reader_sees_both_or_neither() -> None:
 # ---------------------------------------------------------------------- real threads
 
 
-@pytest.fixture
-def fast_switch() -> Iterator[None]:
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
+# `fast_switch` (switch interval 1 µs) is the suite's fixture, in tests/conftest.py.
 
 
 def _race(
