@@ -44,11 +44,11 @@ from sender.poll import KVPoll
 from staging.buffers import StagingBufferPool, StagingSlot
 from staging.context import RoomHandle, StagingContext
 from tests.fixtures_nixl import PAGE_BYTES, SenderPool, requires_nixl
+from tests.polling import conclude, wait_until
 
 pytestmark = [pytest.mark.nixl, requires_nixl]
 
 SESSION = "decode-0"
-CONCLUDED = (KVPoll.Success, KVPoll.Failed)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -214,23 +214,8 @@ def long_reader(ctx: StagingContext) -> Iterator[list[int]]:
     assert errors == [], errors
 
 
-def wait_until(cond: Callable[[], bool], timeout_s: float, interval_s: float = 0.001) -> bool:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() >= end:
-            return cond()
-        time.sleep(interval_s)
-    return True
 
 
-def conclude(s: NixlKVSender, timeout_s: float) -> KVPoll:
-    """Poll until Success/Failed or ``timeout_s``; the last status seen."""
-    end = time.monotonic() + timeout_s
-    while True:
-        st = s.poll()
-        if st in CONCLUDED or time.monotonic() >= end:
-            return st
-        time.sleep(0.001)
 
 
 def sender(mgr: KVManager, room: int, dst: Sequence[int], session: str = SESSION) -> NixlKVSender:

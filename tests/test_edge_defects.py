@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,13 +39,13 @@ from sender.transport import NixlTransport
 from staging.buffers import StagingBufferPool, StagingSlot
 from staging.context import StagingContext
 from tests.fixtures_nixl import requires_nixl
+from tests.polling import conclude, wait_until
 
 pytestmark = [pytest.mark.nixl, requires_nixl]
 
 PAGES = 64
 PAGE_BYTES = 4096
 A, B = "decode-a", "decode-b"
-CONCLUDED = (KVPoll.Success, KVPoll.Failed)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -139,22 +139,8 @@ class Recorder:
             self.nbytes[outcome] += nbytes
 
 
-def wait_until(cond: Callable[[], bool], timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() >= end:
-            return cond()
-        time.sleep(0.001)
-    return True
 
 
-def conclude(s: NixlKVSender, timeout_s: float) -> KVPoll:
-    end = time.monotonic() + timeout_s
-    while True:
-        st = s.poll()
-        if st in CONCLUDED or time.monotonic() >= end:
-            return st
-        time.sleep(0.001)
 
 
 def two_session_sender(mgr: KVManager, room: int, n: int, **info_kw: Any) -> NixlKVSender:

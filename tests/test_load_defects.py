@@ -29,11 +29,23 @@ from sender.manager import KVManager, TransferInfo, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from staging.buffers import StagingBufferPool
+from tests import polling
 from tests.fixtures_nixl import PAGE_BYTES, SenderPool, requires_nixl
 
 pytestmark = [pytest.mark.nixl, requires_nixl]
 
-CONCLUDED = (KVPoll.Success, KVPoll.Failed)
+CONCLUDED = polling.CONCLUDED
+
+
+# This file's polling cadences; tests/polling.py has the loops.
+def wait_until(cond: Callable[[], bool], timeout_s: float, interval_s: float = 0.002) -> bool:
+    return polling.wait_until(cond, timeout_s, interval_s)
+
+
+def conclude(s: NixlKVSender, timeout_s: float) -> KVPoll:
+    return polling.conclude(s, timeout_s, interval_s=0.0005)
+
+
 SWEEP_S = 0.05  # sender.manager._HUNG_SWEEP_S
 TRAFFIC_PERIODS = 200
 """Defect 1: how many sweep periods of steady traffic a settled hung chunk may take to end.
@@ -42,22 +54,7 @@ bound is 200 periods so that a loaded machine (a worker descheduled for seconds)
 it, while the old code, which never sweeps while busy, fails it every time."""
 
 
-def wait_until(cond: Callable[[], bool], timeout_s: float, interval_s: float = 0.002) -> bool:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() >= end:
-            return cond()
-        time.sleep(interval_s)
-    return True
 
-
-def conclude(s: NixlKVSender, timeout_s: float) -> KVPoll:
-    end = time.monotonic() + timeout_s
-    while True:
-        st = s.poll()
-        if st in CONCLUDED or time.monotonic() >= end:
-            return st
-        time.sleep(0.0005)
 
 
 def threads_named(prefix: str) -> list[threading.Thread]:
