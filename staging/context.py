@@ -251,7 +251,7 @@ class StagingContext:
             TypeError, ValueError: ``room`` is not an ``int`` with ``0 <= room < 2**63``
                 (``bool`` is refused).
         """
-        if type(room) is not int or room < 0 or room >= MAX_ID:
+        if type(room) is not int or not 0 <= room < MAX_ID:
             room = check_room_id(room)
         state = _Room()  # built before the lock; published in _rooms under it
         lock = self._lock
@@ -355,7 +355,7 @@ class StagingContext:
             room_id, generation = room.room, room.generation
         else:
             room_id, generation = self._ref(room)
-        if type(chunk_idx) is not int or chunk_idx < 0:
+        if type(chunk_idx) is not int or not 0 <= chunk_idx < MAX_ID:
             chunk_idx = check_chunk_idx(chunk_idx)
         if type(session_id) is not str or not session_id:
             session_id = check_session_id(session_id)
@@ -411,10 +411,15 @@ class StagingContext:
         else:
             room_id, generation = self._ref(room)
         chunks: Iterable[int]
-        if type(chunk_idxs) is range and chunk_idxs.start >= 0 and chunk_idxs.step > 0:
+        if (
+            type(chunk_idxs) is range
+            and chunk_idxs.start >= 0
+            and chunk_idxs.step > 0
+            and chunk_idxs.stop <= MAX_ID
+        ):
             chunks = chunk_idxs  # every member an exact int >= 0 (the common call)
         else:
-            chunks = check_indices(chunk_idxs, "chunk_idx")  # ints or integer-likes
+            chunks = check_indices(chunk_idxs, "chunk_idx", bounded=True)  # as check_chunk_idx
         if type(session_id) is not str or not session_id:
             session_id = check_session_id(session_id)
         lock = self._lock
@@ -538,7 +543,7 @@ class StagingContext:
             room_id, generation = room.room, room.generation
         else:
             room_id, generation = self._ref(room)
-        if type(chunk_idx) is not int or chunk_idx < 0:
+        if type(chunk_idx) is not int or not 0 <= chunk_idx < MAX_ID:
             chunk_idx = check_chunk_idx(chunk_idx)
         if type(session_id) is not str or not session_id:
             session_id = check_session_id(session_id)
@@ -634,7 +639,7 @@ class StagingContext:
     @staticmethod
     def _ref(room: RoomRef) -> tuple[int, int | None]:
         """Validate a room reference; ``(room_id, generation or None)``. No lock."""
-        if type(room) is int and room >= 0:
+        if type(room) is int and 0 <= room < MAX_ID:
             return room, None
         if isinstance(room, RoomHandle):  # validated when it was made
             return room.room, room.generation

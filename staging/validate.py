@@ -44,15 +44,17 @@ def check_index(value: object, what: str, *, bools: bool = False) -> int:
     return plain
 
 
-def check_indices(values: object, what: str) -> tuple[int, ...]:
-    """Every element of ``values`` as an exact ``int`` >= 0 (:func:`check_index` each): any
-    iterable of integers, e.g. a list, a ``range`` or a 1-D numpy integer array (an object
-    with ``tolist()`` is converted by it first: one call instead of a scalar per element).
+def check_indices(values: object, what: str, *, bounded: bool = False) -> tuple[int, ...]:
+    """Every element of ``values`` as an exact ``int`` >= 0 (:func:`check_index` each; with
+    ``bounded``, also below :data:`MAX_ID`, as room ids and chunk indices are): any iterable
+    of integers, e.g. a list, a ``range`` or a 1-D numpy integer array (an object with
+    ``tolist()`` is converted by it first: one call instead of a scalar per element).
 
     Raises:
         TypeError: ``values`` is not iterable (a ``str`` or ``bytes`` is refused), or an
             element is not an integer (named with its position).
-        ValueError: an element is negative (named with its position).
+        ValueError: an element is negative, or (``bounded``) not below :data:`MAX_ID`
+            (named with its position).
     """
     if isinstance(values, (str, bytes)):
         raise TypeError(f"{what} must be an iterable of ints, got {type(values).__name__}")
@@ -65,13 +67,15 @@ def check_indices(values: object, what: str) -> tuple[int, ...]:
             raise TypeError(
                 f"{what} must be an iterable of ints, got {type(values).__name__}"
             ) from None
+    limit = MAX_ID if bounded else math.inf
+    check = _check_bounded if bounded else check_index
     out: list[int] = []
     for position, item in enumerate(items):
-        if type(item) is int and item >= 0:
+        if type(item) is int and 0 <= item < limit:
             out.append(item)
             continue
         try:
-            out.append(check_index(item, what))
+            out.append(check(item, what))
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{exc} (at position {position})") from None
     return tuple(out)

@@ -206,3 +206,25 @@ def test_non_strict_refusals_are_unchanged() -> None:
     assert ctx.request_prefetch(9, 0, "d0") is False
     assert ctx.request_prefetches(9, [0], "d0") == frozenset()
     assert ctx.stats().refused_late_writes == 2
+
+
+# ------------------------------------------------------------------ id bound (2**63)
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [[0, 2**63], range(2**63 - 1, 2**63 + 1), range(0, 2**64, 2**62), (2**63,)],
+    ids=["list", "range-past-the-bound", "range-stepping-past", "tuple"],
+)
+def test_request_prefetches_refuses_chunk_indices_past_the_id_bound(chunks: object) -> None:
+    """Chunk indices are below ``staging.validate.MAX_ID`` at every entry point, as
+    ``request_prefetch`` has them (one shared rule, ``check_chunk_idx``): the batched form
+    and its ``range`` fast path too. Nothing changes when one is refused."""
+    ctx = StagingContext()
+    h = ctx.open_room(1)
+    with pytest.raises(ValueError, match=r"chunk_idx must be < 2\*\*63"):
+        ctx.request_prefetch(h, 2**63, "s")
+    with pytest.raises(ValueError, match=r"chunk_idx must be < 2\*\*63"):
+        ctx.request_prefetches(h, chunks, "s")  # type: ignore[arg-type]
+    assert ctx.room_requests(h) == frozenset()
+    assert ctx.request_prefetches(h, range(2**63 - 2, 2**63), "s") == {2**63 - 2, 2**63 - 1}
