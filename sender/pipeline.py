@@ -37,7 +37,7 @@ import torch
 
 from sender import _nixl
 from sender.chunks import Chunk, TransferLike
-from sender.errors import TransferTimeoutError, TransportParamError
+from sender.errors import SlotsHeldByHungError, TransferTimeoutError, TransportParamError
 from sender.pages import CheckedPages
 from sender.poll import KVPoll
 from sender.rooms import After, RoomEntry, RoomTable
@@ -278,17 +278,24 @@ class ChunkPipeline:
         # Sweep while waiting: the slots waited for may be held by hung chunks. Inline, the
         # waiting thread also ends the completed chunks that hold slots: they are its own
         # (or another caller's of send/progress), and no worker would ever end them.
-        on_wake, wake_s = (
+        # Either way, the wait ends at once when every slot is held by a hung chunk
+        # (_give_up_if_slots_all_hung): none comes back before NIXL settles its transfer.
+        sweep, wake_s = (
             (self.maybe_sweep, HUNG_SWEEP_S)
             if self.workers
             else (self._end_slot_holders, INLINE_SLOT_POLL_S)
         )
+
+        def on_wake() -> None:
+            sweep()
+            self._give_up_if_slots_all_hung()
+
         for chunk in rooms.note_prefetched(unit):
             try:
                 try:
-                    slot = None if self.workers else pool.try_acquire(handle)
-                    if slot is None and not self.workers:
-                        self._end_slot_holders()  # before any wait (slot_timeout_s may be 0)
+                    slot = pool.try_acquire(handle)
+                    if slot is None:
+                        on_wake()  # before any wait (slot_timeout_s may be 0)
                     chunk.slot = slot if slot is not None else pool.acquire(
                         handle, self.slot_timeout_s, on_wake=on_wake, wake_s=wake_s
                     )
@@ -305,6 +312,23 @@ class ChunkPipeline:
                 self._return_slots([chunk])
                 rooms.internal_error(chunk, exc, chunk_ends=True)
         return ready
+
+    def _give_up_if_slots_all_hung(self) -> None:
+        """A slot wait's check, between its pieces (holding no lock): raise
+        :class:`SlotsHeldByHungError` when every slot is leased and at least as many hung
+        chunks hold one. Both counts are read apart, so a slot freed in between (a hung
+        chunk ending: its slot is returned before it leaves ``rooms.hung``) shows as a free
+        slot and the wait goes on to take it."""
+        pool = self.pool
+        assert pool is not None
+        if not self.rooms.hung:  # a single atomic read: nothing hung, the usual case
+            return
+        num_slots = pool.num_slots
+        if pool.stats().in_use < num_slots:
+            return
+        hung = sum(1 for c in self.rooms.hung_chunks() if c.slot is not None)
+        if hung >= num_slots:
+            raise SlotsHeldByHungError(num_slots, hung)
 
     def _end_slot_holders(self) -> None:
         """Inline mode, while a send waits for a staging slot: poll once every posted chunk

@@ -823,3 +823,68 @@ def test_a_worker_waiting_for_a_slot_still_fails_its_hung_chunks_room_by_the_dea
         mgr.close()
         pool.close()
     _ended_once(mgr)
+
+
+@pytest.mark.timeout(240)
+def test_a_slot_wait_gives_up_at_once_when_only_hung_chunks_hold_the_slots(
+    sender_pool: SenderPool, peer_factory: Callable[..., Any], fast_switch: None
+) -> None:
+    """The contract (THREADING, hung chunks): a slot leased to a hung chunk comes back only
+    when NIXL settles its transfer, so a chunk waiting for a slot gives up as soon as every
+    slot is held by a hung chunk (``SlotsHeldByHungError``, a ``PoolExhaustedError``),
+    instead of waiting out ``slot_timeout_s`` (120 s here; the checks allow 60 s, so a
+    loaded machine cannot fail them). The only slot is taken by room 2's chunk, posted to a
+    really stopped peer (SIGSTOP). Room 3's chunk starts waiting for the slot *before* that
+    chunk hangs (two workers: the wait itself must notice); room 4's chunk is sent once it
+    hung (the check before a wait). ``fail_session_on_disconnect=False``: nothing else fails
+    rooms 3 and 4. Regression of two-hosts' partition phase (seed 1168136690): rooms opened
+    while all 16 slots were hung failed 5, 10, 15 s ... after their opening, one
+    ``slot_timeout_s`` after another on each worker (``fail-fast``); on f15a560 rooms 3 and 4
+    here wait 120 s.
+    """
+    from sender.errors import SlotsHeldByHungError
+    from staging.buffers import PoolExhaustedError
+
+    peer = peer_factory()
+    sender_pool.transport.add_peer("hung", peer.metadata)
+    pool = StagingBufferPool(1, 1, PAGE_BYTES)
+    sender_pool.transport.register_region("staging", pool.tensor, PAGE_BYTES)
+    mgr = KVManager(
+        sender_pool.transport, sender_pool.pool, num_workers=2, staging_pool=pool,
+        transfer_timeout_s=0.5, slot_timeout_s=120.0, fail_session_on_disconnect=False,
+    )
+    try:
+        _warm_up(mgr, "hung")
+        peer.stop()
+        hung = NixlKVSender(mgr, 2, ["hung"], [make_transfer_info("hung", [1])])
+        hung.init(1)
+        hung.send([4])
+        assert _wait(lambda: mgr.stats().transfers_inflight == 1, 60), mgr.stats()
+        waiting = NixlKVSender(mgr, 3, ["hung"], [make_transfer_info("hung", [2])])
+        waiting.init(1)
+        waiting.send([5])  # the other worker waits for the slot room 2's chunk holds
+        assert _wait(lambda: hung.poll() is KVPoll.Failed, 60), mgr.stats()
+        assert _wait(lambda: waiting.poll() is KVPoll.Failed, 60), (
+            f"room 3 went on waiting for a slot that only a hung chunk holds: {mgr.stats()}"
+        )
+        late = NixlKVSender(mgr, 4, ["hung"], [make_transfer_info("hung", [3])])
+        late.init(1)
+        late.send([6])
+        assert _wait(lambda: late.poll() is KVPoll.Failed, 60), (
+            f"room 4 waited for a slot that only a hung chunk holds: {mgr.stats()}"
+        )
+        for room in (3, 4):
+            exc = mgr.exceptions.get(room)
+            assert "held by hung transfers" in repr(exc), (room, repr(exc))
+        assert issubclass(SlotsHeldByHungError, PoolExhaustedError)
+        assert pool.stats().in_use == 1, "giving up must not free the hung chunk's slot"
+        for s in (hung, waiting, late):
+            s.clear()
+        peer.cont()
+        assert mgr.wait_drained(None, 60), "the settled hung chunk never ended"
+        assert pool.stats().in_use == 0
+    finally:
+        peer.cont()
+        mgr.close()
+        pool.close()
+    _ended_once(mgr)

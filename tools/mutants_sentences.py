@@ -19,6 +19,46 @@ NOTIFIER = "sender/notifier.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
+        id="slot-wait-ignores-hung-holders",
+        file="sender/pipeline.py",
+        original="""\
+                    chunk.slot = slot if slot is not None else pool.acquire(
+                        handle, self.slot_timeout_s, on_wake=on_wake, wake_s=wake_s
+                    )
+""",
+        replacement="""\
+                    chunk.slot = slot if slot is not None else pool.acquire(
+                        handle, self.slot_timeout_s, on_wake=sweep, wake_s=wake_s
+                    )  # MUTANT: the wait itself never asks whether only hung chunks hold slots
+""",
+        kind="race",
+        description="only the check before a slot wait gives up when hung chunks hold every "
+        "slot; a chunk that began waiting before the last holder hung waits out "
+        "slot_timeout_s (violates 'a chunk waiting for a slot gives up as soon as every slot "
+        "is held by a hung chunk')",
+        tests=("tests/test_sender_properties.py::"
+               "test_a_slot_wait_gives_up_at_once_when_only_hung_chunks_hold_the_slots",),
+    ),
+    Mutant(
+        id="hung-chunks-snapshot-misses-slots",
+        file="sender/rooms.py",
+        original="""\
+        with self.lock.read():
+            return list(self.hung.values())
+""",
+        replacement="""\
+        with self.lock.read():
+            return [c for c in self.hung.values() if c.transfer is None]  # MUTANT
+""",
+        kind="sequential",
+        description="the hung-chunk snapshot drops every posted chunk: the slot wait counts "
+        "no hung holder and waits out slot_timeout_s (and the sweep never ends a settled hung "
+        "chunk) (violates 'a chunk waiting for a slot gives up as soon as every slot is held "
+        "by a hung chunk')",
+        tests=("tests/test_sender_properties.py::"
+               "test_a_slot_wait_gives_up_at_once_when_only_hung_chunks_hold_the_slots",),
+    ),
+    Mutant(
         id="notifier-put-after-the-lock",
         file=NOTIFIER,
         original="""\
