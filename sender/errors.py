@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 from sender import _nixl
-from staging.buffers import PoolExhaustedError
 
 __all__ = [
     "AgentSetupError",
@@ -27,7 +26,6 @@ __all__ = [
     "PARAM_ERRORS",
     "PeerNotFoundError",
     "RoomNotFailedError",
-    "SlotsHeldByHungError",
     "TRANSPORT_ERRORS",
     "TransferFailedError",
     "TransferReleasedError",
@@ -61,31 +59,6 @@ class TransferTimeoutError(TransportError):
         super().__init__(f"transfer to session {session_id!r} not done within {timeout_s:g} s")
         self.session_id = session_id
         self.timeout_s = timeout_s
-
-
-class SlotsHeldByHungError(PoolExhaustedError):
-    """A chunk gave up waiting for a staging slot at once: every slot is leased to a hung
-    chunk (a transfer past its deadline that NIXL still has in progress).
-
-    Such a slot comes back only when NIXL settles its transfer (the peer answers again) or
-    the peer is removed (``remove_peer``); waiting ``slot_timeout_s`` for it, chunk after
-    chunk on each worker, made rooms opened during a hung peer or a partition fail only
-    after whole multiples of ``slot_timeout_s``. A :class:`PoolExhaustedError`, so code
-    that handles exhaustion handles this too.
-
-    Attributes:
-        num_slots: The pool's slots (all of them leased to hung chunks).
-        hung: The hung chunks that held a slot when the wait gave up.
-    """
-
-    def __init__(self, num_slots: int, hung: int) -> None:
-        super().__init__(num_slots, 0.0)
-        self.args = (
-            f"all {num_slots} staging slots are held by hung transfers ({hung} chunks past "
-            "their deadline that NIXL still has in progress); none comes back before their "
-            "peer answers again or is removed (remove_peer)",
-        )
-        self.hung = hung
 
 
 class TransferFailedError(TransportError):

@@ -37,7 +37,7 @@ import torch
 
 from sender import _nixl
 from sender.chunks import Chunk, TransferLike
-from sender.errors import SlotsHeldByHungError, TransferTimeoutError, TransportParamError
+from sender.errors import TransferTimeoutError, TransportParamError
 from sender.pages import CheckedPages
 from sender.poll import KVPoll
 from sender.rooms import After, RoomEntry, RoomTable
@@ -84,6 +84,31 @@ _debug_enabled = functools.partial(logger.isEnabledFor, logging.DEBUG)
 
 _End = tuple[Chunk, BaseException | None, bool, bool]
 """``(chunk, exc, abandoned, already_failed)``: one chunk to end (see ``_end_many``)."""
+
+
+class SlotsHeldByHungError(PoolExhaustedError):
+    """A chunk gave up waiting for a staging slot at once: every slot is leased to a hung
+    chunk (a transfer past its deadline that NIXL still has in progress).
+
+    Such a slot comes back only when NIXL settles its transfer (the peer answers again) or
+    the peer is removed (``remove_peer``); waiting ``slot_timeout_s`` for it, chunk after
+    chunk on each worker, made rooms opened during a hung peer or a partition fail only
+    after whole multiples of ``slot_timeout_s``. A :class:`PoolExhaustedError`, so code
+    that handles exhaustion handles this too.
+
+    Attributes:
+        num_slots: The pool's slots (all of them leased to hung chunks).
+        hung: The hung chunks that held a slot when the wait gave up.
+    """
+
+    def __init__(self, num_slots: int, hung: int) -> None:
+        super().__init__(num_slots, 0.0)
+        self.args = (
+            f"all {num_slots} staging slots are held by hung transfers ({hung} chunks past "
+            "their deadline that NIXL still has in progress); none comes back before their "
+            "peer answers again or is removed (remove_peer)",
+        )
+        self.hung = hung
 
 
 class TransportLike(Protocol):

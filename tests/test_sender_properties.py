@@ -842,7 +842,7 @@ def test_a_slot_wait_gives_up_at_once_when_only_hung_chunks_hold_the_slots(
     ``slot_timeout_s`` after another on each worker (``fail-fast``); on f15a560 rooms 3 and 4
     here wait 120 s.
     """
-    from sender.errors import SlotsHeldByHungError
+    from sender.pipeline import SlotsHeldByHungError
     from staging.buffers import PoolExhaustedError
 
     peer = peer_factory()
