@@ -318,8 +318,9 @@ class ChunkPipeline:
         for chunk in rooms.note_prefetched(unit):
             try:
                 try:
-                    slot = pool.try_acquire(handle)
-                    if slot is None:
+                    # A worker's acquire tries first, then checks after its first piece.
+                    slot = None if self.workers else pool.try_acquire(handle)
+                    if slot is None and not self.workers:
                         on_wake()  # before any wait (slot_timeout_s may be 0)
                     chunk.slot = slot if slot is not None else pool.acquire(
                         handle, self.slot_timeout_s, on_wake=on_wake, wake_s=wake_s
