@@ -774,6 +774,27 @@ def test_one_sweeper_at_a_time_at_every_preemption_point() -> None:
     assert not result.failures, result.failures[:3]
 
 
+def _one_slot_manager(
+    sender_pool: SenderPool,
+    peer_factory: Callable[..., Any],
+    num_workers: int,
+    transfer_timeout_s: float,
+) -> tuple[Any, StagingBufferPool, KVManager]:
+    """A peer added as session "hung", a one-slot staging pool and a manager over them
+    (``slot_timeout_s`` = 120 s, far past the slot tests' 60 s checks; no session failure,
+    so nothing but the rule under test fails a waiting room)."""
+    peer = peer_factory()
+    sender_pool.transport.add_peer("hung", peer.metadata)
+    pool = StagingBufferPool(1, 1, PAGE_BYTES)
+    sender_pool.transport.register_region("staging", pool.tensor, PAGE_BYTES)
+    mgr = KVManager(
+        sender_pool.transport, sender_pool.pool, num_workers=num_workers, staging_pool=pool,
+        transfer_timeout_s=transfer_timeout_s, slot_timeout_s=120.0,
+        fail_session_on_disconnect=False,
+    )
+    return peer, pool, mgr
+
+
 @pytest.mark.timeout(240)
 def test_a_worker_waiting_for_a_slot_still_fails_its_hung_chunks_room_by_the_deadline(
     sender_pool: SenderPool, peer_factory: Callable[..., Any]
@@ -790,14 +811,7 @@ def test_a_worker_waiting_for_a_slot_still_fails_its_hung_chunks_room_by_the_dea
     unit. It was written while looking into a two-hosts partition phase where in-flight
     rooms failed with PoolExhaustedError at the rig's slot_timeout_s.)
     """
-    peer = peer_factory()
-    sender_pool.transport.add_peer("hung", peer.metadata)
-    pool = StagingBufferPool(1, 1, PAGE_BYTES)
-    sender_pool.transport.register_region("staging", pool.tensor, PAGE_BYTES)
-    mgr = KVManager(
-        sender_pool.transport, sender_pool.pool, num_workers=1, staging_pool=pool,
-        transfer_timeout_s=0.2, slot_timeout_s=120.0, fail_session_on_disconnect=False,
-    )
+    peer, pool, mgr = _one_slot_manager(sender_pool, peer_factory, 1, 0.2)
     try:
         _warm_up(mgr, "hung")
         peer.stop()
@@ -845,14 +859,7 @@ def test_a_slot_wait_gives_up_at_once_when_only_hung_chunks_hold_the_slots(
     from sender.pipeline import SlotsHeldByHungError
     from staging.buffers import PoolExhaustedError
 
-    peer = peer_factory()
-    sender_pool.transport.add_peer("hung", peer.metadata)
-    pool = StagingBufferPool(1, 1, PAGE_BYTES)
-    sender_pool.transport.register_region("staging", pool.tensor, PAGE_BYTES)
-    mgr = KVManager(
-        sender_pool.transport, sender_pool.pool, num_workers=2, staging_pool=pool,
-        transfer_timeout_s=0.5, slot_timeout_s=120.0, fail_session_on_disconnect=False,
-    )
+    peer, pool, mgr = _one_slot_manager(sender_pool, peer_factory, 2, 0.5)
     try:
         _warm_up(mgr, "hung")
         peer.stop()
