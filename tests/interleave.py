@@ -45,10 +45,13 @@ Tracer = Callable[[FrameType, str, Any], Any]
 class _Stopper:
     """Counts one thread's scheduling points and stops it at the ``stop_at``-th (``None``:
     never), until :meth:`resume` or ``wait_s`` seconds (then :func:`explore`'s join reports
-    the deadlock)."""
+    the deadlock). ``traced``: the code files (prefixes) whose frames have points."""
 
-    def __init__(self, stop_at: int | None, wait_s: float = 60.0) -> None:
+    def __init__(
+        self, stop_at: int | None, wait_s: float = 60.0, traced: tuple[str, ...] = TRACED_DIRS
+    ) -> None:
         self.stop_at = stop_at
+        self._traced = traced
         self._wait_s = wait_s
         self.points = 0
         self.stopped = threading.Event()
@@ -67,7 +70,7 @@ class _Stopper:
             return local
 
         def global_(frame: FrameType, event: str, arg: Any) -> Tracer | None:
-            if frame.f_code.co_filename.startswith(TRACED_DIRS):
+            if frame.f_code.co_filename.startswith(self._traced):
                 return local
             return None
 

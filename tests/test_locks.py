@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,11 +19,13 @@ from staging import (
     LockReentryError,
     LockTimeoutError,
     RoomAlreadyOpenError,
+    RoomHandle,
     StagingContext,
     make_lock,
 )
 from staging.locks import (
     DEBUG_ENV,
+    HANDOFF_YIELDS,
     LOCK_KINDS,
     LockMode,
     MutexLock,
@@ -302,13 +305,25 @@ def test_acquire_write_times_out_like_the_guard(kind: str) -> None:
 # whatever path took the lock (the inline guard, acquire_write/release_write, the contended
 # path, a StagingContext writer that takes it inline): while a thread holds it -- also while
 # others wait for it -- that thread's assert_held passes, and a thread that does not hold it
-# never passes. The check below takes the lock through every path from several threads, the
-# holders wait inside until a contender is counted and check ownership before and after; every
-# thread checks it is not taken for the owner right after each release.
+# never passes. Two checks:
+# - ownership_violations: several threads take the lock through every path; a holder stays
+#   inside until a contender is counted (or no other thread is left to contend: a bound by
+#   progress, not by the clock) and checks ownership meanwhile; every thread checks it is not
+#   taken for the owner right after each release. Random, seeded.
+# - handover_violations: the hand-over at every step. A releasing thread is stopped at each
+#   scheduling point of its take-and-release (tests.interleave's points) in turn; wherever the
+#   mutex is free there, a second thread takes the lock and holds it while the first one
+#   finishes. The second must be the owner all along. Deterministic: it does not wait for the
+#   scheduler to switch threads inside a two-line window, which a busy machine may never do.
 
 OWNERSHIP_THREADS = 4
-OWNERSHIP_ITERATIONS = 300  # per thread; a run is bounded by JOIN_S anyway
-HOLD_YIELDS = 20  # a holder yields the GIL at most this often waiting for a contender
+OWNERSHIP_ITERATIONS = 300  # per thread
+OWNERSHIP_JOIN_S = 60.0
+"""Join bound of one ownership run. A run is bounded by its work (every hold ends once a
+contender is counted or no other thread runs); about 1 s on a quiet 2-core machine and under
+10 s at load 12, so running past this is a hang, not a slow machine. Within the tests' own
+timeout (OWNERSHIP_TIMEOUT_S)."""
+OWNERSHIP_TIMEOUT_S = 4 * OWNERSHIP_JOIN_S
 HOLDER_PATHS = ("write", "read", "write_untimed", "acquire_write", "acquire_write_untimed")
 CONTEXT_PATHS = ("request_prefetch", "cancel_prefetch", "mark_prefetched", "open_purge")
 
@@ -337,16 +352,47 @@ def _hold(lock: MutexLock, path: str) -> Iterator[None]:
         lock.release_write()
 
 
+def _take_through_context(
+    ctx: StagingContext, handle: RoomHandle, path: str, rng: random.Random
+) -> None:
+    """One StagingContext writer (each takes the context's lock, request_prefetch inline)."""
+    chunk = rng.randrange(4)
+    if path == "request_prefetch":
+        ctx.request_prefetch(handle, chunk, "d0")
+    elif path == "cancel_prefetch":
+        ctx.cancel_prefetch(handle, chunk, "d0")
+    elif path == "mark_prefetched":
+        ctx.mark_prefetched(handle)
+    else:
+        room = 1 + rng.randrange(3)
+        with contextlib.suppress(RoomAlreadyOpenError):
+            ctx.open_room(room)
+        ctx.purge_room(room)
+
+
+def _holds(lock: MutexLock, mode: LockMode) -> bool:
+    try:
+        lock.assert_held(mode)
+    except LockNotHeldError:
+        return False
+    return True
+
+
 def ownership_violations(
     lock: MutexLock, seed: int, ctx: StagingContext | None = None
 ) -> tuple[list[str], int]:
-    """Run the ownership check on ``lock`` (and through ``ctx``'s writers, if given, whose
-    lock it must be); return (violations, holds that saw a counted contender)."""
+    """Run the random ownership check on ``lock`` (and through ``ctx``'s writers, if given,
+    whose lock it must be); return (violations, holds during which another thread wanted
+    the lock)."""
     violations: list[str] = []
     inside = [0]
     waited = [0]
+    # Guarded by count_lock: workers not yet finished; workers on their way into the lock.
+    running = [OWNERSHIP_THREADS]
+    wanting = [0]
+    count_lock = threading.Lock()
     stop = threading.Event()
-    barrier = threading.Barrier(OWNERSHIP_THREADS, timeout=JOIN_S)
+    barrier = threading.Barrier(OWNERSHIP_THREADS, timeout=OWNERSHIP_JOIN_S)
     handle = None if ctx is None else ctx.open_room(0)
     paths = HOLDER_PATHS + (CONTEXT_PATHS if ctx is not None else ())
 
@@ -354,59 +400,58 @@ def ownership_violations(
         violations.append(f"{threading.current_thread().name}: {what}")
         stop.set()
 
-    def holds(mode: LockMode) -> bool:
-        try:
-            lock.assert_held(mode)
-        except LockNotHeldError:
-            return False
-        return True
+    def want(delta: int) -> None:
+        with count_lock:
+            wanting[0] += delta
 
     def hold(path: str) -> None:
+        want(1)
         with _hold(lock, path):
+            want(-1)
             inside[0] += 1
             if inside[0] != 1:
                 bad(f"{inside[0]} holders at once ({path})")
-            if not holds("write") or not holds("read"):
+            if not _holds(lock, "write") or not _holds(lock, "read"):
                 bad(f"the holder is not the owner on entry ({path})")
-            before = lock.stats().contended
-            for _ in range(HOLD_YIELDS):  # let the others run into the lock and wait
-                time.sleep(0)
-                if not holds("write"):
-                    bad(f"the holder lost ownership while another thread waited ({path})")
+            # Stay inside until another thread wants the lock. Every other running worker
+            # takes it on each iteration, so this ends by progress: one wants it, or every
+            # other worker has finished (or stopped on a violation).
+            while wanting[0] == 0 and running[0] > 1 and not stop.is_set():
+                time.sleep(0)  # hands the GIL over: the others run into the lock
+                if not _holds(lock, "write"):
                     break
-                if lock.stats().contended > before:
-                    waited[0] += 1
-                    break
+            if wanting[0] > 0:
+                waited[0] += 1
+                for _ in range(HANDOFF_YIELDS + 2):  # the contender goes on into the lock
+                    time.sleep(0)
+                    if not _holds(lock, "write"):
+                        break
+            if not _holds(lock, "write"):
+                bad(f"the holder lost ownership while another thread waited ({path})")
             inside[0] -= 1
-
-    def through_context(path: str, rng: random.Random) -> None:
-        assert ctx is not None and handle is not None
-        chunk = rng.randrange(4)
-        if path == "request_prefetch":
-            ctx.request_prefetch(handle, chunk, "d0")
-        elif path == "cancel_prefetch":
-            ctx.cancel_prefetch(handle, chunk, "d0")
-        elif path == "mark_prefetched":
-            ctx.mark_prefetched(handle)
-        else:
-            room = 1 + rng.randrange(3)
-            with contextlib.suppress(RoomAlreadyOpenError):
-                ctx.open_room(room)
-            ctx.purge_room(room)
 
     def worker(index: int) -> None:
         rng = random.Random(seed + index)
-        barrier.wait()
-        for _ in range(OWNERSHIP_ITERATIONS):
-            if stop.is_set():
-                return
-            path = rng.choice(paths)
-            if path in HOLDER_PATHS:
-                hold(path)
-            else:
-                through_context(path, rng)
-            if holds("write"):
-                bad(f"assert_held passes after this thread released ({path})")
+        try:
+            barrier.wait()
+            for _ in range(OWNERSHIP_ITERATIONS):
+                if stop.is_set():
+                    return
+                path = rng.choice(paths)
+                if path in HOLDER_PATHS:
+                    hold(path)
+                else:
+                    assert ctx is not None and handle is not None
+                    want(1)
+                    try:
+                        _take_through_context(ctx, handle, path, rng)
+                    finally:
+                        want(-1)
+                if _holds(lock, "write"):
+                    bad(f"assert_held passes after this thread released ({path})")
+        finally:
+            with count_lock:
+                running[0] -= 1
 
     threads = [
         threading.Thread(target=worker, args=(i,), name=f"owner-{i}", daemon=True)
@@ -414,17 +459,120 @@ def ownership_violations(
     ]
     for t in threads:
         t.start()
-    _join(*threads)
+    for t in threads:
+        t.join(OWNERSHIP_JOIN_S)
+        assert not t.is_alive(), f"{t.name} did not finish within {OWNERSHIP_JOIN_S:g} s"
     return violations, waited[0]
 
 
+def handover_violations(through: str) -> tuple[list[str], int]:
+    """The deterministic hand-over check (section comment): for every path the first thread
+    takes and releases the lock by (HOLDER_PATHS, and CONTEXT_PATHS when ``through`` is
+    ``"context"``), every scheduling point ``k`` of it, and every path the second takes it by.
+    Returns (violations, schedules in which the second thread held the lock while the first
+    went on).
+
+    Raises:
+        AssertionError: a thread did not finish within OWNERSHIP_JOIN_S (a deadlock).
+    """
+    from tests.interleave import TRACED_DIRS, _Stopper
+
+    violations: list[str] = []
+    handovers = 0
+    traced = (*TRACED_DIRS, __file__)  # the library, and this file's guards and paths
+    first_paths = HOLDER_PATHS + (CONTEXT_PATHS if through == "context" else ())
+
+    def fresh() -> tuple[MutexLock, StagingContext | None, RoomHandle | None]:
+        if through == "context":
+            ctx = StagingContext(lock="mutex")
+            assert isinstance(ctx.lock, MutexLock)
+            return ctx.lock, ctx, ctx.open_room(0)
+        lock = make_lock("mutex", "t", 1, debug=False)
+        assert isinstance(lock, MutexLock)
+        return lock, None, None
+
+    def run_first(
+        lock: MutexLock, ctx: StagingContext | None, handle: RoomHandle | None, path: str,
+        stopper: _Stopper, after: list[bool],
+    ) -> None:  # fmt: skip
+        sys.settrace(stopper.tracer())
+        try:
+            if path in HOLDER_PATHS:
+                with _hold(lock, path):
+                    pass
+            else:
+                assert ctx is not None and handle is not None
+                _take_through_context(ctx, handle, path, random.Random(0))
+        finally:
+            sys.settrace(None)
+        after.append(_holds(lock, "write"))
+
+    def join(t: threading.Thread, what: str) -> None:
+        t.join(OWNERSHIP_JOIN_S)
+        assert not t.is_alive(), f"{what} did not finish within {OWNERSHIP_JOIN_S:g} s"
+
+    for first_path in first_paths:
+        for second_path in HOLDER_PATHS:
+            k = 0
+            while True:
+                k += 1
+                lock, ctx, handle = fresh()
+                stopper = _Stopper(k, OWNERSHIP_JOIN_S, traced)
+                after: list[bool] = []
+                a = threading.Thread(
+                    target=run_first, args=(lock, ctx, handle, first_path, stopper, after),
+                    daemon=True,
+                )  # fmt: skip
+                a.start()
+                while not stopper.stopped.wait(0.001) and a.is_alive():
+                    pass
+                if not stopper.stopped.is_set():  # past its last point: every k was tried
+                    join(a, "the first thread")
+                    break
+                where = f"{first_path} stopped at point {k}, then {second_path}"
+                b: threading.Thread | None = None
+                if not lock._mutex.locked():  # the second takes it here and holds it
+                    entered = threading.Event()
+                    b = threading.Thread(
+                        target=second_holds, args=(lock, second_path, entered, a, where,
+                                                   violations),
+                        daemon=True,
+                    )  # fmt: skip
+                    b.start()
+                    assert entered.wait(OWNERSHIP_JOIN_S), f"{where}: the second never took it"
+                    handovers += 1
+                stopper.resume()
+                join(a, "the first thread")
+                if b is not None:
+                    join(b, "the second thread")
+                if after != [False]:
+                    violations.append(f"{where}: the first passes assert_held after its release")
+    return violations, handovers
+
+
+def second_holds(
+    lock: MutexLock, path: str, entered: threading.Event, first: threading.Thread, where: str,
+    violations: list[str],
+) -> None:  # fmt: skip
+    """Take ``lock`` by ``path``; hold it until ``first`` ends or runs into the lock (it was
+    stopped before its own acquisition); the holder must be the owner throughout."""
+    with _hold(lock, path):
+        entered.set()
+        contended = lock.stats().contended
+        while first.is_alive() and lock.stats().contended == contended:
+            time.sleep(0.0005)  # the first runs on: a bound by progress (it ends, or contends)
+        if not _holds(lock, "write") or not _holds(lock, "read"):
+            violations.append(f"{where}: the second, holding the lock, is not its owner")
+
+
+@pytest.mark.timeout(OWNERSHIP_TIMEOUT_S)
 @pytest.mark.usefixtures("fast_switch")
 @pytest.mark.parametrize("through", ["lock", "context"])
 def test_owner_is_the_holder_under_contention(
     through: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The ownership check on the non-debug mutex (the library default), alone and as a
-    StagingContext's lock with its writers (request_prefetch takes it inline) in the mix."""
+    """The random ownership check on the non-debug mutex (the library default), alone and as
+    a StagingContext's lock with its writers (request_prefetch takes it inline) in the mix."""
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     seed = _ownership_seed()
     ctx = StagingContext(lock="mutex") if through == "context" else None
@@ -434,6 +582,17 @@ def test_owner_is_the_holder_under_contention(
     assert violations == []
     assert waited > 0, "no holder ever saw a contender: the check proved nothing"
     assert lock.stats().contended > 0
+
+
+@pytest.mark.timeout(OWNERSHIP_TIMEOUT_S)
+@pytest.mark.parametrize("through", ["lock", "context"])
+def test_owner_is_the_holder_at_every_step_of_a_handover(
+    through: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    violations, handovers = handover_violations(through)
+    assert violations == []
+    assert handovers > 0, "the second thread never took the lock mid-way: proved nothing"
 
 
 class _OwnerClearedAfterRelease(_FastMutexGuard):
@@ -447,20 +606,60 @@ class _OwnerClearedAfterRelease(_FastMutexGuard):
         self._lock._owner = None
 
 
-@pytest.mark.usefixtures("fast_switch")
-def test_ownership_check_catches_an_owner_cleared_after_release() -> None:
-    seed = _ownership_seed()
-    violations: list[str] = []
-    for attempt in range(8):  # measured: 17 of 20 single attempts catch it
-        lock = make_lock("mutex", "t", 1, debug=False)
+class _OwnerWrittenBeforeAcquire(_FastMutexGuard):
+    """PLANTED BUG: the inline guard writes the owner before it has the lock, so a contender
+    overwrites the owner of the thread that holds it."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        lock = self._lock
+        lock._owner = threading.get_ident()
+        if not self._inner.acquire(False):
+            lock._acquire_contended(self._inner, self._mode, untimed=self._untimed)
+
+
+def _plant(lock: MutexLock, guard_class: type[_FastMutexGuard]) -> None:
+    for name in ("_read_guard", "_write_guard", "_untimed_guard"):
+        guard = getattr(lock, name)
+        planted = guard_class(lock, guard._inner, guard._mode)
+        planted._untimed = guard._untimed
+        setattr(lock, name, planted)
+
+
+@pytest.mark.timeout(OWNERSHIP_TIMEOUT_S)
+def test_handover_check_catches_an_owner_cleared_after_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The two-line window of this planted race is found at once, on any machine: the check
+    stops the releasing thread between the two lines instead of waiting for the scheduler to."""
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    real = make_lock
+
+    def planted_lock(*args: object, **kwargs: object) -> MutexLock:
+        lock = real(*args, **kwargs)  # type: ignore[arg-type]
         assert isinstance(lock, MutexLock)
-        for name in ("_read_guard", "_write_guard", "_untimed_guard"):
-            guard = getattr(lock, name)
-            planted = _OwnerClearedAfterRelease(lock, guard._inner, guard._mode)
-            planted._untimed = guard._untimed
-            setattr(lock, name, planted)
-        violations, _ = ownership_violations(lock, seed + attempt)
-        if violations:
-            break
-    assert violations, "the planted owner race survived: the check is too weak"
+        _plant(lock, _OwnerClearedAfterRelease)
+        return lock
+
+    monkeypatch.setattr(sys.modules[__name__], "make_lock", planted_lock)
+    violations, _ = handover_violations("lock")
+    assert any("the second, holding the lock, is not its owner" in v for v in violations), (
+        "the planted owner race survived the hand-over check"
+    )
+
+
+@pytest.mark.timeout(OWNERSHIP_TIMEOUT_S)
+@pytest.mark.usefixtures("fast_switch")
+def test_ownership_check_catches_an_owner_written_before_the_lock_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The random check's own power: every hold waits for a contender, so a contender that
+    writes the owner before it has the lock is seen by the holder, whatever the load."""
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    seed = _ownership_seed()
+    lock = make_lock("mutex", "t", 1, debug=False)
+    assert isinstance(lock, MutexLock)
+    _plant(lock, _OwnerWrittenBeforeAcquire)
+    violations, _ = ownership_violations(lock, seed)
     assert any("lost ownership" in v or "not the owner" in v for v in violations), violations
