@@ -37,7 +37,7 @@ import torch
 
 from sender import _nixl
 from sender.chunks import Chunk, TransferLike
-from sender.errors import TransferTimeoutError, TransportParamError
+from sender.errors import PeerNotFoundError, TransferTimeoutError, TransportParamError
 from sender.pages import CheckedPages
 from sender.poll import KVPoll
 from sender.rooms import After, RoomEntry, RoomTable
@@ -451,7 +451,9 @@ class ChunkPipeline:
             return True, None
         try:
             state = transfer.poll()
-        except TransferTimeoutError as exc:
+        except (TransferTimeoutError, PeerNotFoundError) as exc:
+            # Failed by us (its deadline, or remove_peer kept it): it is over only once
+            # NIXL says so; releasing it would not stop its bytes.
             settled = getattr(transfer, "settled", None)
             if settled is not None and not settled():
                 self._hang(chunk, exc)  # NIXL still has it: it may yet write
@@ -479,9 +481,12 @@ class ChunkPipeline:
         return still
 
     def _hang(self, chunk: Chunk, exc: BaseException) -> None:
-        """The chunk passed its deadline while NIXL still has it in progress: fail its room
-        now (and its session), but keep the chunk (transfer and slot) until it settles."""
-        self.rooms.mark_hung(chunk, exc, fail_session=self.fail_session_on_disconnect)
+        """The chunk failed by our doing (its deadline passed, or its peer was removed)
+        while NIXL still has it in progress: fail its room now (and, past a deadline, its
+        session), but keep the chunk (transfer and slot) until it settles."""
+        # Past a deadline the peer is hung: its session fails. A removed peer's kept write
+        # fails its own room only (the session id may already name a new peer).
+        self.rooms.mark_hung(chunk, exc, fail_session=self._fatal(exc))
 
     def _fatal(self, exc: BaseException | None) -> bool:
         return self.fail_session_on_disconnect and isinstance(exc, SESSION_FATAL_ERRORS)

@@ -999,9 +999,11 @@ class RoomTable:
             self.unaccounted_errors += 1
 
     def mark_hung(self, chunk: Chunk, exc: BaseException, *, fail_session: bool = False) -> bool:
-        """The chunk passed its deadline while NIXL still has it in progress: fail its room
-        now (with ``fail_session``, its session too, in the same section), keep the chunk
-        (transfer and slot) until it settles. ``False`` if it was hung or ended already."""
+        """The chunk failed by our doing -- it passed its deadline, or its peer was removed
+        (``remove_peer`` kept the transfer) -- while NIXL still has it in progress: fail its
+        room now (with ``fail_session``, its session too, in the same section), keep the
+        chunk (transfer and slot) until it settles. ``False`` if it was hung or ended
+        already."""
         after = After()
         with self.lock.write_untimed():
             if chunk.hung is not None or chunk.ended:
@@ -1012,7 +1014,7 @@ class RoomTable:
                 f"transfer of chunk {chunk.chunk_idx} to {chunk.session_id!r} failed: {exc!r}"
             )
             self.fail_locked(
-                chunk.handle, exc, reason, after, code="timeout",
+                chunk.handle, exc, reason, after, code=code_for(reason, exc),
                 session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
             )
             if fail_session:

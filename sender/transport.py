@@ -282,6 +282,9 @@ class TransportStats:
     release_refused: int = 0
     """Handles NIXL refused to release (active, cannot cancel). Kept referenced and retried
     by :meth:`NixlTransport.close`; never released twice."""
+    transfers_kept_at_removal: int = 0
+    """Transfers that :meth:`NixlTransport.remove_peer` kept (failed, not released) because
+    NIXL still had them in progress: their bytes may still land."""
 
 
 # --------------------------------------------------------------------------- internals
@@ -308,6 +311,10 @@ class _Peer:
     transfers: set[Transfer] = field(default_factory=set)
     # NIXL prepared lists of the peer's regions, one descriptor per page, by region name.
     prepped: dict[str, Any] = field(default_factory=dict)
+    # Set (under the transport's _lock) when remove_peer kept some of its transfers because
+    # NIXL may still move their bytes: the entry, its prepared lists and its reference to
+    # the remote agent stay until the last of them is released (NixlTransport._reap...).
+    retired: bool = False
     # Their binding handles (what ``makeXferReq`` takes), by region name; set once.
     prepped_ids: dict[str, int] = field(default_factory=dict)
     # Set once NIXL reported this peer's agent disconnected; cleared when a later write to
@@ -364,6 +371,7 @@ class Transfer:
         "_lock",
         "_num_pages",
         "_ops",
+        "_orphaned",
         "_page_bytes",
         "_peer",
         "_released",
@@ -400,8 +408,9 @@ class Transfer:
         self._ops: Any = ops
         self._handle: int | None = None  # guarded by _lock; None before post/after release
         self._failure: BaseException | None = None  # guarded by _lock
-        # Guarded by _lock. _timed_out: the failure is our deadline, not NIXL's.
-        self._done = self._timed_out = self._released = False
+        # Guarded by _lock. _timed_out: the failure is our deadline, not NIXL's. _orphaned:
+        # its peer was removed while NIXL still had it in progress (failed by us, not NIXL).
+        self._done = self._timed_out = self._released = self._orphaned = False
 
     # -- read-only properties (plain reads of immutable or monotonic fields) --
     @property
@@ -541,10 +550,12 @@ class Transfer:
     def settled(self) -> bool:
         """``True`` once this write can no longer move bytes, as far as NIXL can tell: it
         is done, released, or failed with an error NIXL reported. A transfer that failed
-        only by *our* deadline (:class:`TransferTimeoutError`) is not settled while NIXL
-        still reports it in progress: its peer may be hung and resume, and the write may
-        then still happen. So this asks NIXL again (``check_xfer_state``): ``"DONE"`` or an
-        error means settled. Never raises.
+        only by *our* doing -- its deadline (:class:`TransferTimeoutError`) or its peer's
+        removal (:meth:`NixlTransport.remove_peer` keeps it, failed with
+        :class:`PeerNotFoundError`) -- is not settled while NIXL still reports it in
+        progress: its peer may be hung or cut off and come back, and the write may then
+        still land. So this asks NIXL again (``check_xfer_state``): ``"DONE"`` or an error
+        means settled. Never raises.
 
         Thread-safety: safe from any thread; serialised with ``poll()``/``release()``.
         """
@@ -553,7 +564,7 @@ class Transfer:
                 return True
             if self._failure is None:
                 return False
-            if not self._timed_out:
+            if not (self._timed_out or self._orphaned):
                 return True
             try:
                 status = self._ops.getXferStatus(self._handle)
@@ -586,6 +597,7 @@ class Transfer:
                 except Exception as exc:
                     error = exc
             tx = self._transport
+            peer = self._peer
             with tx._lock:  # one round trip for the transport's bookkeeping
                 if self in tx._live:
                     tx._n_released += 1
@@ -593,8 +605,34 @@ class Transfer:
                 if error is not None and handle is not None:
                     tx._refused_handles.append(handle)
                     tx._n_release_refused += 1
+                reap = peer.retired and not peer.transfers
         if error is not None:
             logger.warning("releasing %r failed (%s); retried at close()", self, error)
+        if reap:  # the last kept transfer of a removed peer: drop what it kept loaded
+            tx._try_reap_retired()
+
+    def _keep_if_unsettled(self) -> bool:
+        """``remove_peer``: keep this transfer (``True``) when NIXL may still move its bytes
+        -- posted, and neither done nor failed as NIXL answers now -- failing it with
+        :class:`PeerNotFoundError` unless it already failed by its deadline; ``False``
+        when it can be released now. Caller holds the transport's ``_admin_lock`` (not
+        ``_lock``)."""
+        with self._lock:
+            if self._released or self._done or self._handle is None:
+                return False
+            if self._failure is not None and not self._timed_out:
+                return False
+            try:  # a status check also sends a completed write's notification, as poll()
+                status = self._ops.getXferStatus(self._handle)
+            except Exception:  # NIXL failed it: nothing of it moves any more
+                return False
+            if status != _NIXL_PROC:
+                return False
+            self._orphaned = True
+            if self._failure is None:
+                self._failure = PeerNotFoundError(self._peer.session_id)
+                self._transport._on_failed(timed_out=False)
+            return True
 
     # -- internal, called by NixlTransport / poll with self._lock held --
     def _fail_locked(self, exc: BaseException, *, timed_out: bool) -> BaseException:
@@ -686,6 +724,10 @@ class NixlTransport:
         self._peers: dict[str, _Peer] = {}  # guarded by _lock
         self._remote_refs: dict[str, int] = {}  # guarded by _lock; agent name -> sessions
         self._live: set[Transfer] = set()  # guarded by _lock; transfers not yet released
+        # Removed peers that still have kept transfers (remove_peer); each holds one
+        # reference in _remote_refs until reaped. Guarded by _lock.
+        self._retired_peers: list[_Peer] = []
+        self._n_orphaned = 0  # guarded by _lock
         self._n_started = 0  # guarded by _lock
         self._n_done = 0  # guarded by _lock
         self._n_failed = 0  # guarded by _lock
@@ -899,10 +941,22 @@ class NixlTransport:
                     session_id, loaded_name, dict(meta.regions), prepped=prepped
                 )
                 self._remote_refs[loaded_name] = self._remote_refs.get(loaded_name, 0) + 1
+            self._reap_retired_admin()
         return meta
 
     def remove_peer(self, session_id: str) -> bool:
-        """Forget a peer: release its live transfers, then drop its NIXL remote agent.
+        """Forget a session: from now on writes to it raise :class:`PeerNotFoundError`.
+
+        Its live transfers are released, except those NIXL may still move bytes for
+        (posted, neither done nor failed by NIXL: a hung or cut-off peer's): releasing one
+        does not stop it, and over TCP its bytes land once the link heals, so it is *kept*
+        instead -- failed with :class:`PeerNotFoundError` (its ``poll()`` raises that, or
+        the deadline's error it already had), still answering :meth:`Transfer.settled`
+        from NIXL, and released by its owner once settled (or by :meth:`close`). The
+        peer's NIXL remote agent and prepared lists stay loaded until the last kept
+        transfer is released; then they go (the agent only when no other session uses it),
+        at that release or at the next ``add_peer``/``remove_peer``/``close``. The session
+        id may be added again at once.
 
         Idempotent: returns False if the session is unknown (already removed).
 
@@ -918,19 +972,49 @@ class NixlTransport:
                 if peer is None:
                     return False
                 transfers = list(peer.transfers)
-                last = self._drop_remote_ref_locked(peer.agent_name)
-                agent = self._agent
+            kept = 0
             for t in transfers:  # waits for posts in progress to this peer to return
-                t.release()
-            if agent is not None:
-                for handle in peer.prepped.values():
-                    _release_prepped(agent, handle)
-            if last and agent is not None:
-                try:
-                    agent.remove_remote_agent(peer.agent_name)
-                except Exception as exc:
-                    logger.warning("removing remote agent %r failed: %s", peer.agent_name, exc)
+                if t._keep_if_unsettled():
+                    kept += 1
+                else:
+                    t.release()
+            with self._lock:
+                self._n_orphaned += kept
+                peer.retired = True
+                self._retired_peers.append(peer)
+            self._reap_retired_admin()
         return True
+
+    def _try_reap_retired(self) -> None:
+        """From ``Transfer.release()`` (no lock held): reap now unless a membership change
+        runs, which reaps at its end."""
+        if self._admin_lock.acquire(blocking=False):
+            try:
+                self._reap_retired_admin()
+            finally:
+                self._admin_lock.release()
+
+    def _reap_retired_admin(self) -> None:
+        """Drop the removed peers none of whose transfers is live any more: their prepared
+        lists, then their reference to the remote agent (NIXL forgets the agent with the
+        last). Caller holds ``_admin_lock``."""
+        with self._lock:
+            done = [p for p in self._retired_peers if not p.transfers]
+            if not done:
+                return
+            self._retired_peers = [p for p in self._retired_peers if p.transfers]
+            last = {p.agent_name for p in done if self._drop_remote_ref_locked(p.agent_name)}
+            agent = self._agent
+        if agent is None:  # closed meanwhile: close() removed everything
+            return
+        for peer in done:
+            for handle in peer.prepped.values():
+                _release_prepped(agent, handle)
+        for name in sorted(last):
+            try:
+                agent.remove_remote_agent(name)
+            except Exception as exc:
+                logger.warning("removing remote agent %r failed: %s", name, exc)
 
     def has_peer(self, session_id: str) -> bool:
         """True if ``session_id`` is currently added.
@@ -1274,6 +1358,7 @@ class NixlTransport:
                 peers=len(self._peers),
                 regions=len(self._regions),
                 release_refused=self._n_release_refused,
+                transfers_kept_at_removal=self._n_orphaned,
             )
 
     # ------------------------------------------------------------------ close
@@ -1311,7 +1396,8 @@ class NixlTransport:
                 transfers = list(self._live)
                 remote_agents = list(self._remote_refs)
                 regions = list(self._regions.values())
-                prepped = [h for p in self._peers.values() for h in p.prepped.values()]
+                peers = [*self._peers.values(), *self._retired_peers]
+                prepped = [h for p in peers for h in p.prepped.values()]
                 prepped += [r.prepped for r in regions]
                 agent = self._agent
                 last_notif = self._last_notif_at
@@ -1343,6 +1429,7 @@ class NixlTransport:
                     logger.warning("deregistering region %r failed: %s", region.info.name, exc)
             with self._lock:
                 self._peers.clear()
+                self._retired_peers.clear()
                 self._remote_refs.clear()
                 self._regions.clear()
                 self._agent = None

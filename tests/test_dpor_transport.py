@@ -2,7 +2,8 @@
 ``deregister_region`` and ``close`` from another thread, with NIXL's binding stubbed.
 
 The guarantees (``docs/THREADING.md``, the transport): ``write_pages`` is safe concurrently
-with everything -- a concurrent ``remove_peer``/``close`` either releases the new transfer or
+with everything -- a concurrent ``remove_peer``/``close`` either releases the new transfer
+(``remove_peer`` keeps one NIXL still has in progress, failed, for its owner to release) or
 makes the call raise; every transfer it returns is released exactly once (by whoever comes
 first: the caller, ``remove_peer``, ``deregister_region`` or ``close``); no write is posted to
 a peer once ``remove_peer`` has returned, or from a region once ``deregister_region`` has, or
@@ -205,11 +206,14 @@ def test_write_pages_against_a_membership_change_one_preemption(
 
 class PollRig(Rig):
     """A transfer already posted (still in progress); thread P polls it once, thread R
-    releases it (``action``: the transfer's own ``release()``, or ``remove_peer``, which
-    releases the peer's transfers). The contract (``Transfer.poll``: "serialised with
+    releases it (``action``: the transfer's own ``release()``), or removes its peer
+    (``remove_peer``, which *keeps* a transfer NIXL still has in progress: failed with
+    ``PeerNotFoundError``, not released). The contract (``Transfer.poll``: "serialised with
     ``release()``"; "Raises: TransferReleasedError: the transfer was released (NIXL is not
-    touched)"): the poll answers ``"PROC"`` or raises ``TransferReleasedError``, nothing else,
-    and the handle is released exactly once."""
+    touched)"; ``remove_peer``: the kept transfer is released by its owner or ``close()``):
+    the poll answers ``"PROC"`` or raises ``TransferReleasedError`` (``release``), resp.
+    ``PeerNotFoundError`` (``remove_peer``), nothing else; ``remove_peer`` leaves the handle
+    unreleased, and it is released exactly once in all (``close()`` at the end)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -229,16 +233,21 @@ class PollRig(Rig):
             self.xfer.release()
 
     def judge(self) -> str | None:
+        kept = self.action == "remove_peer"
         try:
             (got,) = self.polled
-            if not (got == "PROC" or isinstance(got, TransferReleasedError)):
+            error = PeerNotFoundError if kept else TransferReleasedError
+            if not (got == "PROC" or isinstance(got, error)):
                 return f"poll() gave {got!r}"
-            if self.stub.releases != {1: 1}:
-                return f"releases per handle: {self.stub.releases}"
-            return None
+            before = self.stub.releases.get(1, 0)
+            if before != (0 if kept else 1) or self.xfer.released is not (not kept):
+                return f"releases per handle before close(): {self.stub.releases}"
         finally:
             self.tx.close()
             self.tx._agent = self.real_agent
+        if self.stub.releases != {1: 1}:
+            return f"releases per handle: {self.stub.releases}"
+        return None
 
 
 @pytest.mark.parametrize("action", ["release", "remove_peer"])

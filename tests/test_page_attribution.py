@@ -154,6 +154,36 @@ def test_misdirected_stamped_write_is_told_apart() -> None:
     assert "log of page 7" in text, text
 
 
+def test_late_landing_is_found_in_the_order_of_the_landing_log() -> None:
+    """Planted real overwrite, covered again: room 1's write to page 7 lands after room 2's
+    (given the page after it), then room 3's bytes cover it. The final bytes (room 3's,
+    verified) look right; the landing log's order does not. Orders that the contract allows
+    are not reported: each opening after the one before, a write landing twice in a row, an
+    unstamped change (zeroed), a write of an opening not in the page's history (misdirected:
+    the final-bytes audit's business), other pages."""
+    from sender.landings import Landing
+
+    audit = PageAudit(SRC)
+    for room, t, status in ((1, 1.0, KVPoll.Failed), (2, 2.0, KVPoll.Success),
+                            (3, 3.0, KVPoll.Success)):  # fmt: skip
+        audit.record(_outcome(room, t, [7, 8], [3, 4], status, status is KVPoll.Success,
+                              gen=10 + room))  # fmt: skip
+
+    def log(*rows: tuple[int, int, int]) -> list[Landing]:
+        return [Landing(i + 1, 100.0 + i, page, room, gen, 0, page)
+                for i, (page, room, gen) in enumerate(rows)]  # fmt: skip
+
+    fine = log((7, 1, 11), (7, 1, 11), (7, 2, 12), (7, -1, -1), (8, 1, 11), (7, 3, 13),
+               (8, 3, 13), (7, 9, 19))  # fmt: skip
+    assert audit.late_landings("s", fine) == []
+    late = log((7, 1, 11), (7, 2, 12), (7, 1, 11), (7, 3, 13), (8, 2, 12))
+    (text,) = audit.late_landings("s", late)
+    assert text.startswith("late landing: decode page 7 of 's'"), text
+    assert "room 1 gen 11 (Failed) (chunk 0) landed at 102.000" in text, text
+    assert "after the write of room 2 gen 12 (Success)" in text, text
+    assert audit.late_landings("s", late) == [], "a finding is reported once per run"
+
+
 def test_landing_log_records_each_stamped_write() -> None:
     pool = np.zeros((4, 64), dtype=np.uint8)
     log = LandingLog(pool, 0.001)

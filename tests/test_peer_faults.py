@@ -18,6 +18,7 @@ import pytest
 from sender.errors import TRANSPORT_ERRORS, TransferReleasedError, TransferTimeoutError
 from sender.peer import PeerError, PeerProcess
 from tests.fixtures_nixl import NUM_PAGES, SenderPool, requires_nixl
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.nixl, requires_nixl]
 
@@ -183,15 +184,21 @@ def test_peer_stopped_times_out_then_cont_is_harmless(
     assert time.monotonic() - xfer.started_at >= deadline
     assert ei.value.session_id == "peer" and ei.value.timeout_s == deadline
     assert tr.stats().transfers_timed_out == 1
-    assert tr.remove_peer("peer")  # releases the still-PROC handle
-    assert xfer.released
-    xfer.release()  # no-op
-    with pytest.raises(TransferReleasedError):
+    # remove_peer keeps the still-PROC write (releasing it would not stop its bytes): it
+    # stays failed by its deadline and unsettled until NIXL completes it.
+    assert tr.remove_peer("peer")
+    assert not xfer.released and not xfer.settled()
+    assert tr.stats().transfers_kept_at_removal == 1
+    with pytest.raises(TransferTimeoutError):
         xfer.poll()
     assert tr.remove_peer("peer") is False
     peer_process.cont()
-    time.sleep(0.3)
     assert peer_process.ping()
+    assert wait_until(xfer.settled, 10), "the kept write never settled after SIGCONT"
+    xfer.release()
+    xfer.release()  # no-op
+    with pytest.raises(TransferReleasedError):
+        xfer.poll()
     # The sender survives the peer waking up and can talk to it again.
     tr.add_peer("peer", peer_process.metadata)
     x = tr.write_pages("peer", [5, 6], [7, 8], b"after-cont", timeout_s=10)

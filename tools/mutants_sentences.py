@@ -15,6 +15,7 @@ from tools.mutants_spec import Mutant
 
 SENTENCES = ("tests/test_sender_sentences.py",)
 PEER_SENTENCES = ("tests/test_peer_sentences.py",)
+REMOVED = "tests/test_removed_peer_writes.py"
 NOTIFIER = "sender/notifier.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -226,5 +227,58 @@ MUTANTS: tuple[Mutant, ...] = (
         "room that will never complete (violates 'page assignment checks a room's failed "
         "state under the peer's lock')",
         tests=PEER_SENTENCES,
+    ),
+    Mutant(
+        id="remove-peer-releases-unsettled-writes",
+        file="sender/transport.py",
+        original="""\
+            if status != _NIXL_PROC:
+                return False
+            self._orphaned = True
+""",
+        replacement="""\
+            if status != _NIXL_PROC or status == _NIXL_PROC:  # MUTANT: released all the same
+                return False
+            self._orphaned = True
+""",
+        kind="sequential",
+        description="remove_peer releases a write NIXL still has in progress: its chunk ends "
+        "at once and its room's pages are reused while its bytes may still land (violates 'a "
+        "write in flight when its peer is removed keeps its opening draining until NIXL "
+        "settles it')",
+        tests=(REMOVED,),
+    ),
+    Mutant(
+        id="kept-write-settles-without-asking-nixl",
+        file="sender/transport.py",
+        original="""\
+            if not (self._timed_out or self._orphaned):
+                return True
+""",
+        replacement="""\
+            if not self._timed_out:  # MUTANT: a kept write counts as settled at once
+                return True
+""",
+        kind="sequential",
+        description="settled() answers True for a write remove_peer kept without asking "
+        "NIXL: the manager ends the chunk at its next sweep and the room drains while the "
+        "write is still in progress (violates 'a write in flight when its peer is removed "
+        "keeps its opening draining until NIXL settles it')",
+        tests=(REMOVED,),
+    ),
+    Mutant(
+        id="kept-write-ends-its-chunk-at-once",
+        file="sender/pipeline.py",
+        original="""\
+        except (TransferTimeoutError, PeerNotFoundError) as exc:
+""",
+        replacement="""\
+        except TransferTimeoutError as exc:  # MUTANT: a kept write's failure ends the chunk
+""",
+        kind="sequential",
+        description="the manager ends a chunk whose write remove_peer kept as soon as a poll "
+        "raises, releasing it unsettled: its room drains at once (violates 'a write in flight "
+        "when its peer is removed keeps its opening draining until NIXL settles it')",
+        tests=(REMOVED,),
     ),
 )

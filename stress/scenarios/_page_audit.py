@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sender.driver import DigestFn, RoomOutcome
+from sender.landings import Landing
 from sender.poll import KVPoll
 from sender.stamps import read_stamp
 
@@ -207,6 +208,53 @@ class PageAudit:
                 if new:
                     violations.append(text)
         return AuditReport(tuple(violations), judged, unjudged, tuple(unread))
+
+    def late_landings(self, sid: str, landings: Sequence[Landing]) -> list[str]:
+        """Judge the order of the writes that landed on the session's pages (the peer's log,
+        :mod:`sender.landings`, of its current process): on each page, a stamped write of an
+        opening given the page *before* another opening whose write already landed there is
+        a late landing -- the page was handed on while the old write could still land. It
+        is found whether or not a later write covered it again (the final bytes, which
+        :meth:`check` judges, may then look right). Landings of openings not in the page's
+        history (misdirected) and unstamped ones are not judged here. Returns new findings
+        (each reported once per run). One thread at a time, when nothing is in flight (every
+        room of the log concluded and recorded)."""
+        pages = {r.page for r in landings}
+        with self._lock:
+            history = {
+                p: sorted(self._uses.get((sid, p), ()), key=lambda u: u.started_at) for p in pages
+            }
+        found: list[str] = []
+        latest: dict[int, int] = {}  # page -> history index of the newest opening landed
+        for r in sorted(landings, key=lambda r: r.seq):
+            if r.room < 0:
+                continue
+            hist = history[r.page]
+            idx = next(
+                (i for i, u in enumerate(hist) if (u.room, u.generation) == (r.room, r.generation)),
+                None,
+            )
+            if idx is None:
+                continue
+            newest = latest.get(r.page)
+            if newest is None or idx > newest:
+                latest[r.page] = idx
+                continue
+            if idx == newest:
+                continue
+            key = (sid, r.page, f"late {r.room}/{r.generation}", hist[newest].room)
+            with self._lock:
+                new = key not in self._reported
+                self._reported.add(key)
+            if new:
+                later = hist[newest]
+                found.append(
+                    f"late landing: decode page {r.page} of {sid!r}: the write of "
+                    f"{hist[idx].who()} (chunk {r.chunk}) landed at {r.at:.3f}, after the write "
+                    f"of {later.who()}, which was given the page after it (admitted "
+                    f"{hist[idx].started_at:.3f} and {later.started_at:.3f})"
+                )
+        return found
 
     def _judge(
         self, sid: str, page: int, actual: str, history: list[_Use], reset_at: float | None

@@ -54,10 +54,10 @@ invariants:
   ``decode_told`` in the result).
 
 Besides, a *canary* write (to decode pages no room uses) is posted right after a stop or a
-partition with the transfer deadline and kept, as the manager keeps a hung chunk (``evict``
-releases it with the peer): what NIXL/UCX say about it (error or silence), whether NIXL
-still has it after our deadline, and when it completes and its bytes land after the repair
-are measured, not assumed.
+partition with the transfer deadline and kept, as the manager keeps a hung chunk (and
+``remove_peer`` keeps it in ``evict``): what NIXL/UCX say about it (error or silence),
+whether NIXL still has it after our deadline, and when it completes and its bytes land after
+the repair are measured, not assumed.
 
 The harness reads decode pages over the peer's control channel, which shares the link: it
 stops reading while a fault is on (a read in progress finishes first).
@@ -946,7 +946,21 @@ class _Child:
         with self.monitor.long_step("drain and end checks", final_checks_bound(self.monitor, 1)):
             rig.finish_manager(self.monitor)
             rig.audit_pages(self.monitor)
+            self._check_landings(rig)
         rig.make_manager()
+
+    def _check_landings(self, rig: NetnsRig) -> None:
+        """``decode-page-audit``, the order of what landed: the peer's landing log of its
+        current process against the pages' histories (:meth:`PageAudit.late_landings`).
+        A peer that cannot answer now (down) is skipped: the final bytes are still judged."""
+        try:
+            with rig.peer_lock:
+                peer = rig.peers[SESSION]
+            landings = peer.landings()
+        except Exception:  # the peer is down (a failed restart): nothing to read
+            return
+        for text in rig.audit.late_landings(SESSION, landings):
+            self.monitor.violation(DECODE_PAGE_AUDIT, text)
 
     def _phase(self, rig: NetnsRig, kind: str, rate: int) -> dict[str, JSONValue]:
         before = {r.name: r.violations for r in self.monitor.reports()}
@@ -1149,8 +1163,9 @@ class _Child:
         dst: np.ndarray[Any, Any],
         repaired_at: float,
     ) -> dict[str, JSONValue]:
-        """After the repair: when NIXL reports the canary settled (it was never released,
-        unless ``remove_peer`` released it), and when its bytes land at the peer."""
+        """After the repair: when NIXL reports the canary settled (it is never released
+        before: ``remove_peer`` keeps a write NIXL still has in progress), and when its bytes
+        land at the peer."""
         want = [page_digest_bytes(rig.kv[int(p)].numpy().tobytes()) for p in src]
         end = repaired_at + CANARY_WATCH_S
         settled_ms: float | None = None
