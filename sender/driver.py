@@ -217,6 +217,8 @@ class RoomOutcome:
     short_info: bool = False
     generation: int = -1
     sent_digests: tuple[str, ...] = ()
+    reason: str = ""
+    """A failed room's ``failure_exception()`` message (clipped to 300 characters)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -706,6 +708,7 @@ class SchedulerDriver:
         handle = a.sender.handle
         verified: bool | None = None
         error: str | None = None
+        reason = ""
         if status is KVPoll.Success:
             # Success means every chunk is done: none of the room may still be in flight.
             if "inflight" in self._footprint(room, 0, escaped):
@@ -741,6 +744,7 @@ class SchedulerDriver:
                 a.sender.failure_exception()
             except Exception as exc:  # by design: this is how the failure is reported
                 error = type(exc).__name__
+                reason = str(exc)[:300]
                 problem = judge_failure(exc, stored, send_error)
                 if problem is None and a.short_info and isinstance(exc, TypeError | ValueError):
                     problem = (
@@ -783,4 +787,5 @@ class SchedulerDriver:
             a.short_info,
             handle.generation,
             tuple(a.expected or ()),
+            reason,
         )

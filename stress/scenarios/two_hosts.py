@@ -1297,7 +1297,8 @@ class _Child:
                 self.monitor.violation(
                     FAIL_FAST,
                     f"{kind}: room {o.room} opened {(o.started_at - fault_at) * 1e3:.0f} ms "
-                    f"after the fault took {lat * 1e3:.0f} ms (limit {own * 1e3:.0f} ms)",
+                    f"after the fault took {lat * 1e3:.0f} ms (limit {own * 1e3:.0f} ms): "
+                    f"{o.error}: {o.reason}",
                 )
         first_ok = next(
             (o.concluded_at for o in recovery if o.status is KVPoll.Success and o.verified), None
