@@ -956,13 +956,17 @@ class _Child:
         """``decode-page-audit``, the order of what landed: the peer's landing log of its
         current process against the pages' histories (:meth:`PageAudit.late_landings`).
         A peer that cannot answer now (down) is skipped: the final bytes are still judged."""
-        try:
-            with rig.peer_lock:
-                peer = rig.peers[SESSION]
-            landings = peer.landings()
-        except Exception:  # the peer is down (a failed restart): nothing to read
-            return
-        for text in rig.audit.late_landings(SESSION, landings):
+        # One control-channel read (the peer's 2 s RPC timeout) and the check, on top of
+        # what final_checks_bound allows the drain and the other reads.
+        with self.monitor.long_step("the landing log", 2.0 + self.monitor.watchdog_s):
+            try:
+                with rig.peer_lock:
+                    peer = rig.peers[SESSION]
+                landings = peer.landings()
+            except Exception:  # the peer is down (a failed restart): nothing to read
+                return
+            found = rig.audit.late_landings(SESSION, landings)
+        for text in found:
             self.monitor.violation(DECODE_PAGE_AUDIT, text)
 
     def _phase(self, rig: NetnsRig, kind: str, rate: int) -> dict[str, JSONValue]:
