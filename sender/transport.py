@@ -368,10 +368,10 @@ class Transfer:
         "_done",
         "_failure",
         "_handle",
+        "_kept",
         "_lock",
         "_num_pages",
         "_ops",
-        "_orphaned",
         "_page_bytes",
         "_peer",
         "_released",
@@ -408,9 +408,9 @@ class Transfer:
         self._ops: Any = ops
         self._handle: int | None = None  # guarded by _lock; None before post/after release
         self._failure: BaseException | None = None  # guarded by _lock
-        # Guarded by _lock. _timed_out: the failure is our deadline, not NIXL's. _orphaned:
-        # its peer was removed while NIXL still had it in progress (failed by us, not NIXL).
-        self._done = self._timed_out = self._released = self._orphaned = False
+        # Guarded by _lock. _timed_out: the failure is our deadline, not NIXL's. _kept: its
+        # peer was removed while NIXL still had it in progress (failed by us, not NIXL).
+        self._done = self._timed_out = self._released = self._kept = False
 
     # -- read-only properties (plain reads of immutable or monotonic fields) --
     @property
@@ -564,13 +564,9 @@ class Transfer:
                 return True
             if self._failure is None:
                 return False
-            if not (self._timed_out or self._orphaned):
+            if not (self._timed_out or self._kept):
                 return True
-            try:
-                status = self._ops.getXferStatus(self._handle)
-            except Exception:
-                return True
-            return bool(status != _NIXL_PROC)
+            return not self._in_progress_at_nixl_locked()
 
     def release(self) -> None:
         """Release the NIXL handle (at most once).
@@ -622,19 +618,25 @@ class Transfer:
                 return False
             if self._failure is not None and not self._timed_out:
                 return False
-            try:  # a status check also sends a completed write's notification, as poll()
-                status = self._ops.getXferStatus(self._handle)
-            except Exception:  # NIXL failed it: nothing of it moves any more
+            # A status check also sends a completed write's notification, as poll() does.
+            if not self._in_progress_at_nixl_locked():
                 return False
-            if status != _NIXL_PROC:
-                return False
-            self._orphaned = True
+            self._kept = True
             if self._failure is None:
                 self._failure = PeerNotFoundError(self._peer.session_id)
                 self._transport._on_failed(timed_out=False)
             return True
 
     # -- internal, called by NixlTransport / poll with self._lock held --
+    def _in_progress_at_nixl_locked(self) -> bool:
+        """Whether NIXL answers ``"PROC"`` for the handle now (an error: it failed it, so
+        nothing of it moves any more)."""
+        try:
+            status = self._ops.getXferStatus(self._handle)
+        except Exception:
+            return False
+        return bool(status == _NIXL_PROC)
+
     def _fail_locked(self, exc: BaseException, *, timed_out: bool) -> BaseException:
         param = as_param_error(exc, f"NIXL rejected transfer {self!r}")
         failure = param if param is not None else exc
@@ -727,7 +729,7 @@ class NixlTransport:
         # Removed peers that still have kept transfers (remove_peer); each holds one
         # reference in _remote_refs until reaped. Guarded by _lock.
         self._retired_peers: list[_Peer] = []
-        self._n_orphaned = 0  # guarded by _lock
+        self._n_kept = 0  # guarded by _lock
         self._n_started = 0  # guarded by _lock
         self._n_done = 0  # guarded by _lock
         self._n_failed = 0  # guarded by _lock
@@ -979,7 +981,7 @@ class NixlTransport:
                 else:
                     t.release()
             with self._lock:
-                self._n_orphaned += kept
+                self._n_kept += kept
                 peer.retired = True
                 self._retired_peers.append(peer)
             self._reap_retired_admin()
@@ -1358,7 +1360,7 @@ class NixlTransport:
                 peers=len(self._peers),
                 regions=len(self._regions),
                 release_refused=self._n_release_refused,
-                transfers_kept_at_removal=self._n_orphaned,
+                transfers_kept_at_removal=self._n_kept,
             )
 
     # ------------------------------------------------------------------ close

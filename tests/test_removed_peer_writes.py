@@ -43,7 +43,7 @@ from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from staging.buffers import StagingBufferPool
 from tests.fixtures_nixl import PAGE_BYTES, SenderPool, requires_nixl
-from tests.polling import wait_until
+from tests.polling import conclude, wait_until
 
 pytestmark = [requires_nixl, pytest.mark.nixl]
 
@@ -58,8 +58,7 @@ def _warm(mgr: KVManager, session: str, room: int, src: int, dst: int) -> None:
     s = NixlKVSender(mgr, room, [session], [make_transfer_info(session, [dst])])
     s.init(1)
     s.send([src])
-    assert wait_until(lambda: s.poll() in (KVPoll.Success, KVPoll.Failed), 60)
-    assert s.poll() is KVPoll.Success, mgr.exceptions.get(room)
+    assert conclude(s, 60) is KVPoll.Success, mgr.exceptions.get(room)
     s.clear()
     assert mgr.wait_drained(s.handle, 60)
 

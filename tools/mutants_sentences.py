@@ -232,14 +232,14 @@ MUTANTS: tuple[Mutant, ...] = (
         id="remove-peer-releases-unsettled-writes",
         file="sender/transport.py",
         original="""\
-            if status != _NIXL_PROC:
+            if not self._in_progress_at_nixl_locked():
                 return False
-            self._orphaned = True
+            self._kept = True
 """,
         replacement="""\
-            if status != _NIXL_PROC or status == _NIXL_PROC:  # MUTANT: released all the same
+            if True:  # MUTANT: released all the same, also while NIXL still has it
                 return False
-            self._orphaned = True
+            self._kept = True
 """,
         kind="sequential",
         description="remove_peer releases a write NIXL still has in progress: its chunk ends "
@@ -252,7 +252,7 @@ MUTANTS: tuple[Mutant, ...] = (
         id="kept-write-settles-without-asking-nixl",
         file="sender/transport.py",
         original="""\
-            if not (self._timed_out or self._orphaned):
+            if not (self._timed_out or self._kept):
                 return True
 """,
         replacement="""\

@@ -224,16 +224,18 @@ class PageAudit:
             history = {
                 p: sorted(self._uses.get((sid, p), ()), key=lambda u: u.started_at) for p in pages
             }
+        # Per page, each opening's place in its history (looked up once per landing).
+        place = {
+            p: {(u.room, u.generation): i for i, u in enumerate(hist)}
+            for p, hist in history.items()
+        }
         found: list[str] = []
         latest: dict[int, int] = {}  # page -> history index of the newest opening landed
         for r in sorted(landings, key=lambda r: r.seq):
             if r.room < 0:
                 continue
             hist = history[r.page]
-            idx = next(
-                (i for i, u in enumerate(hist) if (u.room, u.generation) == (r.room, r.generation)),
-                None,
-            )
+            idx = place[r.page].get((r.room, r.generation))
             if idx is None:
                 continue
             newest = latest.get(r.page)
