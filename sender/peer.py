@@ -1247,6 +1247,10 @@ class MetadataBytes(bytes):
         return bytes(self)
 
 
+_REAP_WAIT_S = 30.0
+"""How long :meth:`PeerProcess.close` waits for a child it sent SIGKILL to."""
+
+
 class PeerProcess:
     """A :class:`DecodePeer` in a child process, controlled over its TCP control channel.
 
@@ -1507,10 +1511,17 @@ class PeerProcess:
                 except subprocess.TimeoutExpired:
                     with contextlib.suppress(ProcessLookupError):
                         proc.kill()
-            proc.wait(timeout=30.0)
+            proc.wait(timeout=_REAP_WAIT_S)
         finally:
             if proc.stdout is not None:
                 proc.stdout.close()
+
+    @property
+    def close_timeout_s(self) -> float:
+        """The most :meth:`close` waits for the child: its SIGTERM grace, then the reap
+        after SIGKILL (for a watchdog's allowance; ``close`` raises
+        ``subprocess.TimeoutExpired`` past it)."""
+        return self._term_grace + _REAP_WAIT_S
 
     def __enter__(self) -> PeerProcess:
         return self

@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -213,8 +214,14 @@ def run() -> dict[str, Any]:
 
     seed = int(os.environ.get("TWO_HOSTS_SEED", random.randrange(1 << 16)))
     print(f"two-hosts seed: {seed}")
-    result = run_two_hosts(Plan.quick(seed=seed), timeout_s=240)
+    steps: list[tuple[str | None, float | None, float]] = []
+    result = run_two_hosts(
+        Plan.quick(seed=seed),
+        timeout_s=240,
+        on_step=lambda what, deadline: steps.append((what, deadline, time.monotonic())),
+    )
     assert "skipped" not in result, result
+    result["steps_seen"] = steps
     return result
 
 
@@ -277,6 +284,25 @@ def test_fault_figures(run: dict[str, Any], kind: str) -> None:
         0,
     ), ph
     assert ph["recovered"] and ph["first_success_after_repair_ms"] is not None, ph
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.timeout(300)
+def test_the_end_of_the_child_is_declared_to_the_watchdog(run: dict[str, Any]) -> None:
+    """No room completes while the child closes its rig, joins its threads, reports and
+    exits, and the parent waits for that exit and tears the topology down: each of these is
+    a long step the parent's watchdog sees, the last one bounded by the exit's own wait (a
+    run at load 11 was reported stuck there, 'no progress for 10 s', with every phase
+    passed)."""
+    from stress.scenarios.two_hosts import CHILD_EXIT_TIMEOUT_S
+
+    # The parent learns the child's steps from its progress lines (every 0.5 s), so a quick
+    # close is not seen; the last step, named in the child's final line, always is.
+    steps = run["steps_seen"]
+    what, deadline, seen_at = steps[-1]
+    assert what == "the result, the exit and the teardown", steps[-3:]
+    assert deadline is not None and deadline - seen_at >= CHILD_EXIT_TIMEOUT_S, steps[-1]
 
 
 @pytest.mark.nixl

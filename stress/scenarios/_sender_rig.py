@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -653,6 +653,21 @@ def final_checks_bound(monitor: Monitor, sessions: int) -> float:
     return 2 * DRAIN_TIMEOUT_S + TOLD_WAIT_S + sessions * 3 * 2.0 + monitor.watchdog_s
 
 
+MANAGER_CLOSE_TIMEOUT_S = 5.0
+"""``KVManager.close``'s own bound (its default ``timeout_s``): the drain, the notices
+and the workers' join."""
+
+
+def close_bound(monitor: Monitor, peers: Iterable[PeerProcess]) -> float:
+    """The watchdog's allowance for :meth:`SenderRig.close` (no room progress there): the
+    manager's close (:data:`MANAGER_CLOSE_TIMEOUT_S`), each peer process's reap
+    (``PeerProcess.close_timeout_s``: its SIGTERM grace and the wait after SIGKILL), plus
+    one period. Each part fails by itself past its own bound, so a close stuck for good is
+    still reported."""
+    reaps = sum(p.close_timeout_s for p in peers)
+    return MANAGER_CLOSE_TIMEOUT_S + reaps + monitor.watchdog_s
+
+
 class SenderRig:
     """One prefill sender talking to ``len(sessions)`` decode peer processes.
 
@@ -773,7 +788,7 @@ class SenderRig:
 
     def close(self) -> None:
         try:
-            self.mgr.close()
+            self.mgr.close(MANAGER_CLOSE_TIMEOUT_S)
         finally:
             self._stack.close()
 

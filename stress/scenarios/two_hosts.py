@@ -112,6 +112,7 @@ from stress.scenarios._sender_rig import (
     SENDER_INVARIANTS,
     TRANSFER_TIMEOUT_S,
     SenderRig,
+    close_bound,
     final_checks_bound,
     peer_start_bound,
 )
@@ -188,6 +189,11 @@ _CHILD_ENTRY = (
     "import sys; from stress.scenarios.two_hosts import child_main; "
     "sys.exit(child_main(sys.argv[1:]))"
 )
+CHILD_EXIT_TIMEOUT_S = 30.0
+"""How long :func:`run_two_hosts` waits for the sender child to exit once its result is in
+(then it is killed)."""
+_JOIN_TIMEOUT_S = 10.0
+"""The child's bound on joining its run's threads at the end."""
 _RESULT_TAG = "TWO-HOSTS-RESULT "
 _PROGRESS_TAG = "TWO-HOSTS-PROGRESS "
 
@@ -515,7 +521,7 @@ def run_two_hosts(
                         on_step(None, None)
                 elif line.startswith(_RESULT_TAG):
                     result = json.loads(line[len(_RESULT_TAG) :])
-            status = proc.wait(timeout=30)
+            status = proc.wait(timeout=CHILD_EXIT_TIMEOUT_S)
         finally:
             killer.cancel()
             if proc.poll() is None:
@@ -665,7 +671,10 @@ class _Child:
             finally:
                 self._rig = None
                 out["decode_told"] = rig.notices.summary()
-                rig.close()
+                with rig.peer_lock:
+                    peers = list(rig.peers.values())
+                with self.monitor.long_step("close the rig", close_bound(self.monitor, peers)):
+                    rig.close()
         except Exception as exc:
             self.monitor.exception(exc, "two-hosts child")
             import traceback
@@ -673,7 +682,10 @@ class _Child:
             out["error"] = traceback.format_exc()[-3000:]
         finally:
             self.monitor.stop.set()
-            self.monitor.join_all(timeout=10.0)
+            with self.monitor.long_step(
+                "join the run's threads", _JOIN_TIMEOUT_S + self.monitor.watchdog_s
+            ):
+                self.monitor.join_all(timeout=_JOIN_TIMEOUT_S)
             sys.setswitchinterval(old_switch)
             self._stop_progress.set()
             printer.join(5)
@@ -1409,6 +1421,12 @@ def child_main(argv: Sequence[str]) -> int:
         ap.error(f"unknown planted bug {plan.plant_bug!r}")
     child = _Child(link, plan)
     result = child.run()
+    # Never ended: this process exits. The parent keeps the step (the last progress line
+    # names it) while it reads the result, waits for the exit (CHILD_EXIT_TIMEOUT_S: the
+    # interpreter's shutdown drops NIXL agents) and tears the topology down.
+    child.monitor.begin_step(
+        "the result, the exit and the teardown", CHILD_EXIT_TIMEOUT_S + child.monitor.watchdog_s
+    )
     sys.stdout.write(child._progress_line() + "\n")
     sys.stdout.write(_RESULT_TAG + json.dumps(result) + "\n")
     sys.stdout.flush()
