@@ -262,6 +262,8 @@ def test_fault_figures(run: dict[str, Any], kind: str) -> None:
         assert ph["in_flight_failed"] >= 1, ph
     if ph["in_flight_failed"]:
         assert ph["fault_to_failed_ms_max"] <= ph["limit_ms"], ph
+    # Judged by the sender's clock: the manager told the rig of every room's conclusion.
+    assert ph["judged_by_the_scheduler"] == 0, ph
     if kind in ("kill", "restart"):
         assert ph["limit_ms"] == 1000.0 and ph["goal_met"], ph
     # Rooms opened after the fault failed within their bound (fast once the peer is gone or

@@ -34,6 +34,7 @@ from sender.driver import (
     SchedulerDriver,
     page_digests,
 )
+from sender.events import FanOut, ManagerEvents
 from sender.faults import FaultInjectingTransport
 from sender.manager import KVManager, ManagerPurge
 from sender.notices import NoticeError, decode_notice
@@ -56,6 +57,7 @@ from stress.invariants import (
     NO_THREAD_LEFT,
     describe,
 )
+from stress.scenarios._conclusions import ConclusionClock
 from stress.scenarios._page_audit import PageAudit
 
 ROOMS_CONCLUDED = describe(
@@ -703,6 +705,9 @@ class SenderRig:
         self.rooms_used: list[int] = []
         self.next_room = 0
         self.notices = NoticeTracker()
+        # When each manager of the rig concluded each opening (the sender's time, not the
+        # scheduler's: a restart of the harness may hold the scheduler up for seconds).
+        self.conclusions = ConclusionClock()
         self.ledger = TransferLedger()
         self._drain_reported: set[RoomHandle] = set()
         self._drain_checks = 0
@@ -754,6 +759,11 @@ class SenderRig:
         self._stack.callback(self.injector.close)
         self.mgr = self.make_manager()
 
+    def _events(self) -> ManagerEvents:
+        """The managers' listener: the run's metrics (when on) and :attr:`conclusions`."""
+        shared = metrics_sink.listener()
+        return self.conclusions if shared is None else FanOut(shared, self.conclusions)
+
     def make_manager(
         self,
         *,
@@ -779,7 +789,7 @@ class SenderRig:
             staging_region=region,
             notify_decode=self.config.plant_bug != PLANT_NO_NOTICES,
             tracker=self.notices,
-            events=metrics_sink.listener(),
+            events=self._events(),
         )
         metrics_sink.watch(self.scenario, self.mgr)
         self.rooms_used = []

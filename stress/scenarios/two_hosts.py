@@ -120,13 +120,18 @@ from stress.scenarios._sender_rig import (
 FAULT_TO_FAILED = describe(
     "fault-to-failed",
     "every room in flight at a fault concluded within its limit (kill/restart 1 s; hung or "
-    "partition: deadline + 400 ms; goal + 100 ms)",
+    "partition: deadline + 400 ms; goal + 100 ms), by the sender's clock (when the manager "
+    "concluded it, not when the harness's scheduler noticed)",
 )
 FAIL_FAST = describe(
-    "fail-fast", "rooms opened after a fault failed within their bound (no room hangs)"
+    "fail-fast",
+    "rooms opened after a fault failed within their bound (no room hangs), by the sender's "
+    "clock",
 )
 RECOVERED = describe(
-    "recovered", "after the repair (restart/cont/heal) new rooms succeed, same transport"
+    "recovered",
+    "after the repair (restart/cont/heal) new rooms succeed, same transport: a streak of "
+    "verified rooms among the first rooms concluded after it (a bound in rooms, not seconds)",
 )
 NO_EARLY_REUSE = describe(
     "no-early-reuse", "a failed room's decode pages were reused only once nothing of it drained"
@@ -146,6 +151,9 @@ SESSION = "decode-netns"
 PEER_PAGES = 512
 CANARY_PAGES = 8
 ROOM_PAGES = PEER_PAGES - CANARY_PAGES  # the driver hands out only these; the rest: canary
+ROOM_DEADLINE_S = 30.0
+"""The driver's deadline per traffic run (``deadline_s``): it gives up after this long,
+aborting the rooms left (so a traffic thread ends within it, plus the aborts)."""
 KILL_BOUND_S = 1.0
 """Goal and limit: a room in flight when its peer dies (or is replaced) fails within 1 s."""
 HUNG_GOAL_SLACK_S = 0.1
@@ -209,7 +217,14 @@ class Plan:
         lead_s: Traffic before the fault.
         after_s: Traffic after the fault (>= the transfer deadline + margin for hung faults).
         recover_rooms: Consecutive verified successes that count as recovered.
-        recover_timeout_s: Bound on the recovery.
+        recover_budget_rooms: The recovery's bound, in rooms, not seconds: the streak must
+            come among the first this many rooms concluded after the repair (a fixed 6 s
+            was missed at load 12, with no room concluded at all: the child got no CPU).
+        recover_timeout_s: A guard, not the bound: traffic of the baseline, the notice round
+            and a recovery stops admitting rooms after this long whatever it reached (below
+            :data:`ROOM_DEADLINE_S`, when the driver aborts) (a recovery cut short
+            by it is reported with the rooms it got; no room at all is a stall, which the
+            watchdog reports first).
         rooms: Rooms per driver batch (``max_active`` is half of it).
         threads: Transfer workers of the manager.
         plant_bug: Test only: one of :data:`PLANTED_BUGS`.
@@ -221,7 +236,8 @@ class Plan:
     lead_s: float = 0.3
     after_s: float = 0.9
     recover_rooms: int = 8
-    recover_timeout_s: float = 6.0
+    recover_budget_rooms: int = 200
+    recover_timeout_s: float = 20.0
     rooms: int = 16
     threads: int = 2
     plant_bug: str | None = None
@@ -865,7 +881,7 @@ class _Child:
         running: Callable[[], bool],
         **more: Any,
     ) -> threading.Thread:
-        overrides: dict[str, Any] = {"deadline_s": 30.0, "reuse": "lifo", **more}
+        overrides: dict[str, Any] = {"deadline_s": ROOM_DEADLINE_S, "reuse": "lifo", **more}
         if self.plan.plant_bug == "quarantine":
             overrides.update(release_rule="quarantine", quarantine_s=0.0)
         return self.monitor.spawn(
@@ -874,9 +890,12 @@ class _Child:
         )
 
     def _join(self, thread: threading.Thread, what: str) -> None:
-        thread.join(30.0)
+        """Join a traffic thread: its driver gives up after :data:`ROOM_DEADLINE_S`
+        (aborting what is left); one watchdog period more for the aborts."""
+        bound = ROOM_DEADLINE_S + self.monitor.watchdog_s
+        thread.join(bound)
         if thread.is_alive():
-            self.monitor.deadlock(f"{what}: the scheduler did not stop within 30 s")
+            self.monitor.deadlock(f"{what}: the scheduler did not stop within {bound:g} s")
             raise RuntimeError(f"{what}: scheduler stuck")
 
     # ------------------------------------------------------------------ baseline
@@ -1050,9 +1069,15 @@ class _Child:
         in_fault.clear()
         track.streak = 0
         n_before = len(track.outcomes)
-        want = self.plan.recover_rooms
+        want, budget = self.plan.recover_rooms, self.plan.recover_budget_rooms
         end = time.monotonic() + self.plan.recover_timeout_s
-        t = self._traffic(rig, driver, lambda: track.streak < want and time.monotonic() < end)
+        t = self._traffic(
+            rig,
+            driver,
+            lambda: track.streak < want
+            and len(track.outcomes) - n_before < budget
+            and time.monotonic() < end,
+        )
         self._join(t, f"{kind}: recovery")
         self._on_failed = None
         recovery = track.outcomes[n_before:]
@@ -1264,6 +1289,13 @@ class _Child:
             "live_handles": rig.tx.stats().live_transfers,
         }
 
+    def _sender_concluded(self, o: RoomOutcome) -> float | None:
+        """When the sender concluded ``o`` (the manager's event; ``None``: it told nothing,
+        e.g. of an opening the harness refused)."""
+        rig = self._rig
+        at = None if rig is None else rig.conclusions.at(o.room, o.generation)
+        return None if at is None else min(at, o.concluded_at)
+
     def _figures(
         self,
         kind: str,
@@ -1281,24 +1313,34 @@ class _Child:
         # up to one deadline for a worker (each polls a hung chunk until its deadline),
         # then its own chunk's deadline.
         after_bound = 2 * TRANSFER_TIMEOUT_S + HUNG_LIMIT_SLACK_S
+        # Every time below is the sender's (when the manager concluded the room), not the
+        # scheduler's: a restart of the harness holds the scheduler up for seconds
+        # (rig.peer_lock, while it verifies a room's bytes), on a loaded machine up to 7.7 s
+        # after rooms the sender had failed at once. The gap is reported (driver_lag_ms_max).
         window = [o for o in self.track.outcomes if o.started_at < window_end]
-        in_flight = [o for o in window if o.started_at < fault_at < o.concluded_at]
+        sender_at = {id(o): self._sender_concluded(o) for o in window}
+        untold = sum(at is None for at in sender_at.values())
+        ended = {
+            id(o): o.concluded_at if (at := sender_at[id(o)]) is None else at for o in window
+        }
+        in_flight = [o for o in window if o.started_at < fault_at < ended[id(o)]]
         after = [o for o in window if o.started_at >= fault_at]
-        failed_at = [o.concluded_at - fault_at for o in in_flight if o.status is KVPoll.Failed]
+        failed_at = [ended[id(o)] - fault_at for o in in_flight if o.status is KVPoll.Failed]
         detected = min(
             (
-                o.concluded_at
+                ended[id(o)]
                 for o in window
-                if o.status is KVPoll.Failed and o.concluded_at > fault_at
+                if o.status is KVPoll.Failed and ended[id(o)] > fault_at
             ),
             default=None,
         )
+        driver_lag = max((o.concluded_at - ended[id(o)] for o in window), default=math.nan)
         for o in in_flight:  # a Success here had its bytes through before the fault
-            if o.concluded_at - fault_at > bound:
+            if ended[id(o)] - fault_at > bound:
                 self.monitor.violation(
                     FAULT_TO_FAILED,
                     f"{kind}: room {o.room} (in flight) ended {o.status!r} "
-                    f"{(o.concluded_at - fault_at) * 1e3:.0f} ms after the fault "
+                    f"{(ended[id(o)] - fault_at) * 1e3:.0f} ms after the fault "
                     f"(limit {bound * 1e3:.0f} ms; goal {goal * 1e3:.0f} ms)",
                 )
         if not in_flight:
@@ -1311,11 +1353,11 @@ class _Child:
         after_lat: list[float] = []
         after_evicted_lat: list[float] = []
         for o in after:
-            lat = o.concluded_at - o.started_at
+            lat = ended[id(o)] - o.started_at
             evicted = evicted_at is not None and o.started_at >= evicted_at
             own = KILL_BOUND_S if evicted or not hung else after_bound
             (after_evicted_lat if evicted else after_lat).append(lat)
-            judged = lat if dead_at is None else o.concluded_at - max(o.started_at, dead_at)
+            judged = lat if dead_at is None else ended[id(o)] - max(o.started_at, dead_at)
             if o.status is KVPoll.Success and hung:
                 self.monitor.violation(
                     FAIL_FAST,
@@ -1337,10 +1379,15 @@ class _Child:
         )
         streak_ok = self.track.streak >= self.plan.recover_rooms
         if not streak_ok:
+            budget = self.plan.recover_budget_rooms
+            within = (
+                f"among the first {budget} rooms concluded after the repair"
+                if len(recovery) >= budget
+                else f"within the guard of {self.plan.recover_timeout_s:g} s of the repair"
+            )
             self.monitor.violation(
                 RECOVERED,
-                f"{kind}: no streak of {self.plan.recover_rooms} verified rooms within "
-                f"{self.plan.recover_timeout_s:g} s of the repair "
+                f"{kind}: no streak of {self.plan.recover_rooms} verified rooms {within} "
                 f"({sum(o.status is KVPoll.Success for o in recovery)}/{len(recovery)} ok)",
             )
 
@@ -1363,6 +1410,8 @@ class _Child:
             "fault_to_failed_ms_max": ms(max(failed_at, default=math.nan)),
             "fault_to_failed_ms_min": ms(min(failed_at, default=math.nan)),
             "detected_after_ms": ms(None if detected is None else detected - fault_at),
+            "driver_lag_ms_max": ms(driver_lag),
+            "judged_by_the_scheduler": untold,
             "evicted_after_ms": ms(None if evicted_at is None else evicted_at - fault_at),
             "opened_after": len(after),
             "opened_after_failed": sum(o.status is KVPoll.Failed for o in after),

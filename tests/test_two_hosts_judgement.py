@@ -1,0 +1,98 @@
+"""Two-hosts judges a fault's rooms by the sender's clock, not by the harness's scheduler.
+
+On a loaded machine a restart of the harness (``rig.peer_lock``, held while the decode peer
+process starts again) kept the scheduler thread from noticing rooms for seconds: rooms the
+sender had failed 50 ms after a kill were reported 7.7 s late ('kill: room 1363 opened
+191 ms after the fault took 7752 ms ... (limit 1000 ms)'). These tests drive the phase
+judgement (``_Child._figures``) with outcomes whose two clocks disagree: a scheduler held up
+is not the sender's fault (no violation on a fast sender: this failed before the fix), a
+slow sender is caught whatever the scheduler did. Sequential: no interleaving is involved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sender.driver import RoomOutcome
+from sender.poll import KVPoll
+from stress.framework import Monitor
+from stress.scenarios._conclusions import ConclusionClock
+
+pytestmark = pytest.mark.timeout(60)
+
+FAULT_AT = 1000.0
+DEAD_AT = FAULT_AT + 0.03
+HELD_UNTIL = FAULT_AT + 7.75  # the scheduler notices nothing before this
+
+
+def _outcome(room: int, started: float, noticed: float) -> RoomOutcome:
+    return RoomOutcome(
+        room=room,
+        session_id="decode-netns",
+        status=KVPoll.Failed,
+        latency_s=noticed - started,
+        error="KVTransferError",
+        verified=None,
+        footprint=(),
+        concluded_at=noticed,
+        started_at=started,
+        generation=room + 1,
+        reason="decode peer 'decode-netns' failed: nixlRemoteDisconnectError",
+    )
+
+
+def _judge(sender_delay_s: float) -> tuple[dict[str, tuple[int, list[str]]], dict[str, Any]]:
+    """A kill phase: one room in flight at the fault, eight opened 0.2 s after it; the
+    sender concludes each ``sender_delay_s`` after the peer died (or after its opening, if
+    later); the scheduler notices all of them only at ``HELD_UNTIL``."""
+    from stress.scenarios.two_hosts import INVARIANTS, Plan, _Child, _Track
+
+    now = [0.0]
+    clock = ConclusionClock(now=lambda: now[0])
+    outcomes = [_outcome(1, FAULT_AT - 0.1, HELD_UNTIL)]
+    outcomes += [_outcome(10 + i, FAULT_AT + 0.2 + i * 1e-3, HELD_UNTIL) for i in range(8)]
+    for o in outcomes:
+        now[0] = max(o.started_at, DEAD_AT) + sender_delay_s  # the manager tells it then
+        clock.room_concluded(o.room, o.generation, "failed", "transport", now[0] - o.started_at)
+
+    class _Rig:
+        conclusions = clock
+
+    child: Any = _Child.__new__(_Child)
+    child.monitor = Monitor("two-hosts", INVARIANTS, duration_s=60.0, watchdog_s=10.0)
+    child.plan = Plan(recover_rooms=0)
+    child.track = _Track(outcomes=outcomes)
+    child._rig = _Rig()
+    figures = child._figures("kill", FAULT_AT, FAULT_AT + 0.9, FAULT_AT + 1.0, None, [], DEAD_AT)
+    found = {
+        r.name: (r.violations, list(r.examples)) for r in child.monitor.reports() if r.violations
+    }
+    return found, figures
+
+
+def test_a_scheduler_held_up_by_the_harness_is_not_the_senders_delay() -> None:
+    found, figures = _judge(sender_delay_s=0.05)
+    assert found == {}, found
+    assert figures["in_flight"] == 1 and figures["opened_after"] == 8, figures
+    assert figures["opened_after_ms_max"] < 100, figures
+    assert figures["driver_lag_ms_max"] > 7000, figures  # the hold is reported, not judged
+    assert figures["judged_by_the_scheduler"] == 0, figures
+
+
+def test_a_slow_sender_is_caught_whatever_the_scheduler_did() -> None:
+    found, _ = _judge(sender_delay_s=1.5)
+    assert set(found) == {"fault-to-failed", "fail-fast"}, found
+    assert found["fault-to-failed"][0] == 1 and found["fail-fast"][0] == 8, found
+    assert "room 10 opened 200 ms after the fault took 1500 ms" in found["fail-fast"][1][0]
+
+
+def test_the_clock_keeps_the_first_conclusion_of_each_opening() -> None:
+    now = [1.0]
+    clock = ConclusionClock(now=lambda: now[0])
+    clock.room_concluded(5, 6, "failed", "transport", 0.1)
+    now[0] = 2.0
+    clock.room_concluded(5, 6, "failed", "transport", 0.2)
+    assert clock.at(5, 6) == 1.0
+    assert clock.at(5, 7) is None and clock.at(4, 6) is None
