@@ -20,7 +20,7 @@ from sender.poll import KVPoll
 from sender.transport import NixlTransport
 from staging.buffers import StagingBufferPool
 from staging.context import RoomHandle
-from stress.scenarios.peer_faults import LagProbe
+from stress.scenarios._lag_probe import LagProbe
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ pytestmark = [requires_nixl, pytest.mark.timeout(60)]
 def test_the_lag_probe_sees_a_thread_kept_from_running() -> None:
     """The main thread holds the GIL in a pure-Python loop with a 0.2 s switch interval:
     the probe's wake-up is late by a good part of that (it cannot run meanwhile)."""
-    from stress.scenarios.peer_faults import LagProbe
+    from stress.scenarios._lag_probe import LagProbe
 
     probe = LagProbe()
     stop = threading.Event()

@@ -19,6 +19,7 @@ from sender.driver import RoomOutcome
 from sender.poll import KVPoll
 from stress.framework import Monitor
 from stress.scenarios._conclusions import ConclusionClock
+from stress.scenarios._lag_probe import LagProbe
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,10 +44,24 @@ def _outcome(room: int, started: float, noticed: float) -> RoomOutcome:
     )
 
 
-def _judge(sender_delay_s: float) -> tuple[dict[str, tuple[int, list[str]]], dict[str, Any]]:
+class _Stalled(LagProbe):
+    """A probe that saw this process stalled (no thread ran) for ``stall_s`` at ``at``."""
+
+    def __init__(self, at: float, stall_s: float) -> None:
+        super().__init__()
+        self.at, self.stall_s = at, stall_s
+
+    def worst(self, start: float, end: float) -> float:
+        return self.stall_s if start <= self.at <= end else 0.0
+
+
+def _judge(
+    sender_delay_s: float, lag: LagProbe | None = None
+) -> tuple[dict[str, tuple[int, list[str]]], dict[str, Any]]:
     """A kill phase: one room in flight at the fault, eight opened 0.2 s after it; the
     sender concludes each ``sender_delay_s`` after the peer died (or after its opening, if
-    later); the scheduler notices all of them only at ``HELD_UNTIL``."""
+    later); the scheduler notices all of them only at ``HELD_UNTIL``. ``lag``: what the
+    child's scheduling-delay probe saw (none by default)."""
     from stress.scenarios.two_hosts import INVARIANTS, Plan, _Child, _Track
 
     now = [0.0]
@@ -65,6 +80,7 @@ def _judge(sender_delay_s: float) -> tuple[dict[str, tuple[int, list[str]]], dic
     child.plan = Plan(recover_rooms=0)
     child.track = _Track(outcomes=outcomes)
     child._rig = _Rig()
+    child.lag = lag or LagProbe()
     figures = child._figures("kill", FAULT_AT, FAULT_AT + 0.9, FAULT_AT + 1.0, None, [], DEAD_AT)
     found = {
         r.name: (r.violations, list(r.examples)) for r in child.monitor.reports() if r.violations
@@ -96,3 +112,16 @@ def test_the_clock_keeps_the_first_conclusion_of_each_opening() -> None:
     clock.room_concluded(5, 6, "failed", "transport", 0.2)
     assert clock.at(5, 6) == 1.0
     assert clock.at(5, 7) is None and clock.at(4, 6) is None
+
+
+def test_a_process_stall_is_allowed_for_twice_but_only_while_the_room_waited() -> None:
+    """At load 12 the whole child got no CPU for seconds: rooms opened 0.2 s after a kill
+    failed 13.8 s later. A stall the probe saw while the rooms waited widens their limit by
+    twice its length; the same stall before the fault widens nothing."""
+    stall_at = FAULT_AT + 0.5  # while every room of the phase waited
+    found, figures = _judge(sender_delay_s=6.0, lag=_Stalled(stall_at, 3.5))
+    assert found == {}, found
+    assert figures["scheduling_delay_ms_max"] == 3500.0, figures
+    found, _ = _judge(sender_delay_s=6.0, lag=_Stalled(FAULT_AT - 5.0, 3.5))
+    assert found["fail-fast"][0] == 8 and found["fault-to-failed"][0] == 1, found
+    assert "1000 ms + 2 x scheduling delay 0 ms" in found["fail-fast"][1][0], found

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 from sender.driver import RoomOutcome
 from sender.poll import KVPoll
 from stress.framework import Monitor, ScenarioMetrics, StressConfig, register
+from stress.scenarios._lag_probe import LagProbe
 from stress.scenarios._sender_rig import (
     ROOMS_CONCLUDED,
     SENDER_INVARIANTS,
@@ -56,34 +56,6 @@ FAULT_EVERY_S = 1.5
 KILL_BOUND_BASE_S = 2 * TRANSFER_TIMEOUT_S
 """The fixed part of a killed peer's room's bound: detection by our deadline at the latest,
 plus the scheduler's pass (module docstring)."""
-
-
-class LagProbe:
-    """How late this process's threads get to run: a thread sleeps :data:`PERIOD_S` again
-    and again and records by how much it overslept (CPU run queue, GIL). Thread-safe."""
-
-    PERIOD_S = 0.01
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._samples: deque[tuple[float, float]] = deque(maxlen=100_000)  # guarded by _lock
-
-    def run(self, running: Callable[[], bool]) -> None:
-        """The probe thread's body, until ``running()`` is false."""
-        while running():
-            t0 = time.monotonic()
-            time.sleep(self.PERIOD_S)
-            woke = time.monotonic()
-            with self._lock:
-                self._samples.append((woke, max(0.0, woke - t0 - self.PERIOD_S)))
-
-    def worst(self, start: float, end: float) -> float:
-        """The worst lateness of a wake-up in ``[start, end + PERIOD_S]`` (0 if none)."""
-        with self._lock:
-            return max(
-                (late for at, late in self._samples if start <= at <= end + self.PERIOD_S),
-                default=0.0,
-            )
 
 
 class PeerFaults:

@@ -104,6 +104,7 @@ from stress.netns import (
     two_host_link,
     unavailable_reason,
 )
+from stress.scenarios._lag_probe import LagProbe
 from stress.scenarios._sender_rig import (
     BYTES_VERIFIED,
     PAGE_BYTES,
@@ -656,12 +657,16 @@ class _Child:
         # When the phase's old peer process was gone (reaped): kill/restart phases only.
         # Fault thread; read by the same thread after the fault window's joins.
         self._dead_at: float | None = None
+        # How late this process's threads got to run (the rooms' bounds allow 2 x the worst
+        # lateness seen while each room waited: see _figures).
+        self.lag = LagProbe()
 
     # ------------------------------------------------------------------ entry
 
     def run(self) -> dict[str, Any]:
         printer = threading.Thread(target=self._progress_loop, name="progress", daemon=True)
         printer.start()
+        self.monitor.spawn(lambda: self.lag.run(lambda: not self.monitor.stop.is_set()), "lag")
         old_switch = sys.getswitchinterval()
         sys.setswitchinterval(self.config.switch_interval)
         out: dict[str, Any] = {
@@ -1314,9 +1319,12 @@ class _Child:
         # then its own chunk's deadline.
         after_bound = 2 * TRANSFER_TIMEOUT_S + HUNG_LIMIT_SLACK_S
         # Every time below is the sender's (when the manager concluded the room), not the
-        # scheduler's: a restart of the harness holds the scheduler up for seconds
-        # (rig.peer_lock, while it verifies a room's bytes), on a loaded machine up to 7.7 s
-        # after rooms the sender had failed at once. The gap is reported (driver_lag_ms_max).
+        # scheduler's, which does work of the harness between its polls (bytes checks and
+        # page audits over the peer's control channel). The gap is reported
+        # (driver_lag_ms_max). Each limit allows 2 x the worst scheduling delay this process
+        # saw while the room waited (LagProbe): at load 12 the whole child got no CPU for
+        # 7.7-13.8 s (rooms opened 0.2 s after a kill failed 13.8 s later; 80 rooms opened in
+        # the window instead of 200-700), which no bound of the sender's own can cover.
         window = [o for o in self.track.outcomes if o.started_at < window_end]
         sender_at = {id(o): self._sender_concluded(o) for o in window}
         untold = sum(at is None for at in sender_at.values())
@@ -1335,13 +1343,21 @@ class _Child:
             default=None,
         )
         driver_lag = max((o.concluded_at - ended[id(o)] for o in window), default=math.nan)
+        lags: list[float] = []
+
+        def allowed(base: float, start: float, end: float) -> tuple[float, str]:
+            lag = self.lag.worst(start, end)
+            lags.append(lag)
+            return base + 2 * lag, f"{base * 1e3:.0f} ms + 2 x scheduling delay {lag * 1e3:.0f} ms"
+
         for o in in_flight:  # a Success here had its bytes through before the fault
-            if ended[id(o)] - fault_at > bound:
+            limit, how = allowed(bound, fault_at, ended[id(o)])
+            if ended[id(o)] - fault_at > limit:
                 self.monitor.violation(
                     FAULT_TO_FAILED,
                     f"{kind}: room {o.room} (in flight) ended {o.status!r} "
                     f"{(ended[id(o)] - fault_at) * 1e3:.0f} ms after the fault "
-                    f"(limit {bound * 1e3:.0f} ms; goal {goal * 1e3:.0f} ms)",
+                    f"(limit {how}; goal {goal * 1e3:.0f} ms)",
                 )
         if not in_flight:
             self.monitor.violation(FAULT_TO_FAILED, f"{kind}: no room was in flight at the fault")
@@ -1357,13 +1373,15 @@ class _Child:
             evicted = evicted_at is not None and o.started_at >= evicted_at
             own = KILL_BOUND_S if evicted or not hung else after_bound
             (after_evicted_lat if evicted else after_lat).append(lat)
-            judged = lat if dead_at is None else ended[id(o)] - max(o.started_at, dead_at)
+            judged_from = o.started_at if dead_at is None else max(o.started_at, dead_at)
+            judged = ended[id(o)] - judged_from
+            limit, how = allowed(own, judged_from, ended[id(o)])
             if o.status is KVPoll.Success and hung:
                 self.monitor.violation(
                     FAIL_FAST,
                     f"{kind}: room {o.room} opened after the fault succeeded while it was on",
                 )
-            if judged > own:
+            if judged > limit:
                 since = "" if dead_at is None else (
                     f", {judged * 1e3:.0f} ms after the old process was gone "
                     f"({(dead_at - fault_at) * 1e3:.0f} ms after the fault)"
@@ -1371,8 +1389,8 @@ class _Child:
                 self.monitor.violation(
                     FAIL_FAST,
                     f"{kind}: room {o.room} opened {(o.started_at - fault_at) * 1e3:.0f} ms "
-                    f"after the fault took {lat * 1e3:.0f} ms{since} (limit {own * 1e3:.0f} "
-                    f"ms): {o.error}: {o.reason}",
+                    f"after the fault took {lat * 1e3:.0f} ms{since} (limit {how}): "
+                    f"{o.error}: {o.reason}",
                 )
         first_ok = next(
             (o.concluded_at for o in recovery if o.status is KVPoll.Success and o.verified), None
@@ -1411,6 +1429,7 @@ class _Child:
             "fault_to_failed_ms_min": ms(min(failed_at, default=math.nan)),
             "detected_after_ms": ms(None if detected is None else detected - fault_at),
             "driver_lag_ms_max": ms(driver_lag),
+            "scheduling_delay_ms_max": ms(max(lags, default=math.nan)),
             "judged_by_the_scheduler": untold,
             "evicted_after_ms": ms(None if evicted_at is None else evicted_at - fault_at),
             "opened_after": len(after),
