@@ -121,13 +121,14 @@ from stress.scenarios._sender_rig import (
 FAULT_TO_FAILED = describe(
     "fault-to-failed",
     "every room in flight at a fault concluded within its limit (kill/restart 1 s; hung or "
-    "partition: deadline + 400 ms; goal + 100 ms), by the sender's clock (when the manager "
-    "concluded it, not when the harness's scheduler noticed)",
+    "partition: deadline + 400 ms; goal + 100 ms) + 2 x the scheduling delay measured "
+    "meanwhile, by the sender's clock (when the manager concluded it, not when the harness's "
+    "scheduler noticed)",
 )
 FAIL_FAST = describe(
     "fail-fast",
-    "rooms opened after a fault failed within their bound (no room hangs), by the sender's "
-    "clock",
+    "rooms opened after a fault failed within their bound (no room hangs) + 2 x the "
+    "scheduling delay measured meanwhile, by the sender's clock",
 )
 RECOVERED = describe(
     "recovered",
