@@ -1042,9 +1042,14 @@ class _Child:
         self._cut_control()
         # Strike while chunks are posted and not done: rooms are then really in flight
         # (not just waiting for the scheduler to notice that they are complete).
-        busy = self._wait_busy(rig, 1.0)
-        in_fault.set()
+        # Bounded by the watchdog's period, not a fixed second: traffic is flowing, so a
+        # loaded machine only makes the wait longer.
+        busy = self._wait_busy(rig, self.monitor.watchdog_s / 2)
         fault_at = self._inject(rig, kind)
+        # Only now may a failure evict the peer: a room that failed (its deadline missed on
+        # a loaded machine) while the partition was being made evicted it before the fault,
+        # and then no room was in flight at the fault ('evict: evicted -18.6 ms after it').
+        in_fault.set()
         self.faults += 1
         canary_xfer = None
         if kind in ("stop", "partition", "evict"):
