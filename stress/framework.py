@@ -315,6 +315,9 @@ class Monitor:
         self._deadlocked = False
         self._reported_alive: set[str] = set()
         self._native: NativeLines | None = None
+        # Called once after a stall's stack dump (e.g. to have a child process dump its own
+        # stacks too); guarded by _lock for add and copy, called outside it.
+        self._stall_hooks: list[Callable[[], None]] = []
         # Declared long steps (long_step): token -> (what, bound_s, deadline); and how many
         # were begun or ended (each one is a movement for the watchdog).
         self._steps: dict[int, tuple[str, float, float]] = {}
@@ -394,7 +397,20 @@ class Monitor:
             print(f"\n[{self.scenario}] DEADLOCK? {detail}; stacks follow", file=sys.stderr)
             dump_stacks(sys.stderr)
             self.violation(NO_DEADLOCK, detail)
+            with self._lock:
+                hooks = list(self._stall_hooks)
+            for hook in hooks:
+                try:
+                    hook()
+                except Exception as exc:  # a diagnostic: never in the way of the report
+                    print(f"[{self.scenario}] stall hook failed: {exc!r}", file=sys.stderr)
         self.stop.set()
+
+    def on_stall(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` once after the first stall's stack dump (what it raises is
+        printed, not raised). Thread-safe."""
+        with self._lock:
+            self._stall_hooks.append(hook)
 
     def reports(self) -> tuple[InvariantReport, ...]:
         """Per-invariant outcome, in declaration order (undeclared names after)."""

@@ -17,7 +17,7 @@ import random
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -215,10 +215,18 @@ def run() -> dict[str, Any]:
     seed = int(os.environ.get("TWO_HOSTS_SEED", random.randrange(1 << 16)))
     print(f"two-hosts seed: {seed}")
     steps: list[tuple[str | None, float | None, float]] = []
+    dumps: list[Callable[[], None]] = []
+
+    def progress(rooms: int, ops: int, faults: int) -> None:
+        if rooms and len(dumps) == 1:  # once, mid-run: as a stall of the parent would
+            dumps.pop()()
+
     result = run_two_hosts(
         Plan.quick(seed=seed),
         timeout_s=240,
         on_step=lambda what, deadline: steps.append((what, deadline, time.monotonic())),
+        on_progress=progress,
+        on_child=dumps.append,
     )
     assert "skipped" not in result, result
     result["steps_seen"] = steps
@@ -305,6 +313,16 @@ def test_the_end_of_the_child_is_declared_to_the_watchdog(run: dict[str, Any]) -
     what, deadline, seen_at = steps[-1]
     assert what == "the result, the exit and the teardown", steps[-3:]
     assert deadline is not None and deadline - seen_at >= CHILD_EXIT_TIMEOUT_S, steps[-1]
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.timeout(300)
+def test_a_stall_gets_the_childs_stacks(run: dict[str, Any]) -> None:
+    """The parent's watchdog sees only the parent's threads; the function ``on_child`` gives
+    (a stall hook) makes the sender child write its own stacks, and they come back."""
+    stacks = run.get("child_stacks", "")
+    assert "child_main" in stacks and "Thread 0x" in stacks, stacks[-2000:]
 
 
 @pytest.mark.nixl

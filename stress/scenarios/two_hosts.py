@@ -76,8 +76,10 @@ pinned it on the last one in the page's history.)
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
+import signal
 import subprocess
 import sys
 import tempfile
@@ -332,7 +334,9 @@ class TwoHosts:
                     relay["token"] = monitor.begin_step(what, left)
 
         limit = max(120.0, 6 * monitor.duration_s)
-        result = run_two_hosts(plan, timeout_s=limit, on_progress=progress, on_step=step)
+        result = run_two_hosts(
+            plan, timeout_s=limit, on_progress=progress, on_step=step, on_child=monitor.on_stall
+        )
         step(None, None)
         relay_violations(result, monitor)
         child_native = result.get("native_stderr") or {}
@@ -480,9 +484,14 @@ def run_two_hosts(
     on_progress: Callable[[int, int, int], None] | None = None,
     stderr: IO[str] | None = None,
     on_step: Callable[[str | None, float | None], None] | None = None,
+    on_child: Callable[[Callable[[], None]], None] | None = None,
 ) -> dict[str, Any]:
     """Make the two-host topology, run ``plan`` in a sender child process over it, tear the
     topology down (always), and return the child's result.
+
+    ``on_child(dump)`` is given, once the child runs, a function that makes the child write
+    every thread's stack (SIGUSR1, ``faulthandler``); what it wrote is printed on stderr
+    and returned as ``"child_stacks"`` (for a watchdog: a stall's cause is in the child).
 
     ``on_step(what, deadline)`` is told the long step in progress (``None``: none) for a
     watchdog: first the child's start-up (bounded by ``timeout_s``, after which the child is
@@ -498,7 +507,11 @@ def run_two_hosts(
     reason = unavailable_reason()
     if reason is not None:
         return {"skipped": reason}
-    with two_host_link() as link, tempfile.TemporaryFile("w+", encoding="utf-8") as err:
+    with (
+        two_host_link() as link,
+        tempfile.TemporaryFile("w+", encoding="utf-8") as err,
+        tempfile.NamedTemporaryFile("w+", encoding="utf-8", suffix=".stacks") as stacks,
+    ):
         cmd = [
             sys.executable,
             "-c",
@@ -507,6 +520,8 @@ def run_two_hosts(
             link.to_json(),
             "--plan",
             plan.to_json(),
+            "--stacks",
+            stacks.name,
         ]
         env = child_env(link)
         if plan.plant_bug == "no-tcp":
@@ -525,6 +540,8 @@ def run_two_hosts(
         killer.start()
         if on_step is not None:
             on_step("sender child start-up", time.monotonic() + timeout_s)
+        if on_child is not None:
+            on_child(lambda: proc.send_signal(signal.SIGUSR1) if proc.poll() is None else None)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -553,6 +570,8 @@ def run_two_hosts(
         if stderr is not None and tail:
             stderr.write(tail)
         left = link.pids_inside()
+        stacks.seek(0)
+        child_stacks = stacks.read()
     if result is None:
         result = {"error": f"child exited with status {status} and no result; stderr tail:\n{tail}"}
     elif status != 0 and not result.get("error"):
@@ -560,6 +579,9 @@ def run_two_hosts(
     if left:
         result.setdefault("error", f"processes left in the namespace: {left}")
     result["stderr_tail"] = tail
+    if child_stacks:
+        result["child_stacks"] = child_stacks
+        print(f"[two-hosts] the sender child's stacks:\n{child_stacks}", file=sys.stderr)
     counted = count_lines(child_err)  # the child's NIXL/UCX lines (its own stderr file)
     result["native_stderr"] = {
         "counts": dict(counted.counts),
@@ -1488,7 +1510,11 @@ def child_main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="two-hosts child")
     ap.add_argument("--link", required=True)
     ap.add_argument("--plan", required=True)
+    ap.add_argument("--stacks", help="on SIGUSR1, write every thread's stack to this file")
     args = ap.parse_args(list(argv))
+    if args.stacks:
+        stacks = open(args.stacks, "w", encoding="utf-8")  # noqa: SIM115 (kept to the exit)
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     link = TwoHostLink.from_json(args.link)
     plan = Plan.from_json(args.plan)
     if plan.plant_bug is not None and plan.plant_bug not in PLANTED_BUGS:
