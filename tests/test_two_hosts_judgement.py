@@ -20,6 +20,7 @@ from sender.poll import KVPoll
 from stress.framework import Monitor
 from stress.scenarios._conclusions import ConclusionClock
 from stress.scenarios._lag_probe import LagProbe
+from stress.scenarios._nixl_calls import SlowCalls
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,6 +75,7 @@ def _judge(
 
     class _Rig:
         conclusions = clock
+        nixl_calls = SlowCalls(object())
 
     child: Any = _Child.__new__(_Child)
     child.monitor = Monitor("two-hosts", INVARIANTS, duration_s=60.0, watchdog_s=10.0)
@@ -102,6 +104,7 @@ def test_a_slow_sender_is_caught_whatever_the_scheduler_did() -> None:
     assert set(found) == {"fault-to-failed", "fail-fast"}, found
     assert found["fault-to-failed"][0] == 1 and found["fail-fast"][0] == 8, found
     assert "room 10 opened 200 ms after the fault took 1500 ms" in found["fail-fast"][1][0]
+    assert "no NIXL call took over 50 ms meanwhile" in found["fail-fast"][1][0]
 
 
 def test_the_clock_keeps_the_first_conclusion_of_each_opening() -> None:
@@ -125,3 +128,29 @@ def test_a_process_stall_is_allowed_for_twice_but_only_while_the_room_waited() -
     found, _ = _judge(sender_delay_s=6.0, lag=_Stalled(FAULT_AT - 5.0, 3.5))
     assert found["fail-fast"][0] == 8 and found["fault-to-failed"][0] == 1, found
     assert "1000 ms + 2 x scheduling delay 0 ms" in found["fail-fast"][1][0], found
+
+
+def test_slow_nixl_calls_are_noted_and_named_in_their_window() -> None:
+    """The diagnostic a finding quotes: a call over 50 ms is noted with its name and thread,
+    a quick one is not, what a call raises passes through unchanged."""
+    import time
+
+    class _Ops:
+        def postXferReq(self, pause: float) -> str:
+            time.sleep(pause)
+            return "PROC"
+
+        def getXferStatus(self) -> str:
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+
+    calls = SlowCalls(_Ops())
+    before = time.monotonic()
+    assert calls.postXferReq(0.0) == "PROC"
+    assert calls.postXferReq(0.08) == "PROC"
+    with pytest.raises(RuntimeError, match="REMOTE_DISCONNECT"):
+        calls.getXferStatus()
+    after = time.monotonic()
+    slow = calls.during(before, after)
+    assert [c[2] for c in slow] == ["postXferReq"] and slow[0][1] - slow[0][0] >= 0.08
+    assert "postXferReq" in calls.describe(before, after)
+    assert calls.during(after + 1, after + 2) == []

@@ -58,6 +58,7 @@ from stress.invariants import (
     describe,
 )
 from stress.scenarios._conclusions import ConclusionClock
+from stress.scenarios._nixl_calls import SlowCalls
 from stress.scenarios._page_audit import PageAudit
 
 ROOMS_CONCLUDED = describe(
@@ -734,6 +735,9 @@ class SenderRig:
         self.audit = PageAudit(page_digests(self.kv))
         self.tx = NixlTransport(f"stress-prefill-{config.seed}")
         self._stack.callback(self.tx.close)
+        # Diagnostic: the transport's NIXL calls over SLOW_S, named in findings.
+        self.nixl_calls = SlowCalls(self.tx._xfer_agent)
+        self.tx._xfer_agent = self.nixl_calls
         self.tx.register_region("kv", self.kv, PAGE_BYTES)
         for region, slots in {"staging": STAGING_SLOTS, **extra_pools}.items():
             pool = StagingBufferPool(slots, 1, PAGE_BYTES, debug=True)

@@ -1322,6 +1322,11 @@ class _Child:
             "live_handles": rig.tx.stats().live_transfers,
         }
 
+    def _slow_calls(self, start: float, end: float) -> str:
+        """What NIXL was slow at in ``[start, end]`` (a finding's diagnostic)."""
+        rig = self._rig
+        return "" if rig is None else rig.nixl_calls.describe(start, end)
+
     def _sender_concluded(self, o: RoomOutcome) -> float | None:
         """When the sender concluded ``o`` (the manager's event; ``None``: it told nothing,
         e.g. of an opening the harness refused)."""
@@ -1385,7 +1390,8 @@ class _Child:
                     FAULT_TO_FAILED,
                     f"{kind}: room {o.room} (in flight) ended {o.status!r} "
                     f"{(ended[id(o)] - fault_at) * 1e3:.0f} ms after the fault "
-                    f"(limit {how}; goal {goal * 1e3:.0f} ms)",
+                    f"(limit {how}; goal {goal * 1e3:.0f} ms); "
+                    f"{self._slow_calls(fault_at, ended[id(o)])}",
                 )
         if not in_flight:
             self.monitor.violation(FAULT_TO_FAILED, f"{kind}: no room was in flight at the fault")
@@ -1418,7 +1424,7 @@ class _Child:
                     FAIL_FAST,
                     f"{kind}: room {o.room} opened {(o.started_at - fault_at) * 1e3:.0f} ms "
                     f"after the fault took {lat * 1e3:.0f} ms{since} (limit {how}): "
-                    f"{o.error}: {o.reason}",
+                    f"{o.error}: {o.reason}; {self._slow_calls(judged_from, ended[id(o)])}",
                 )
         first_ok = next(
             (o.concluded_at for o in recovery if o.status is KVPoll.Success and o.verified), None
