@@ -170,6 +170,9 @@ that much later; measured up to 160 ms); a sender that failed rooms one chunk de
 another (no ``fail_session``) takes >= 2 deadlines and is caught."""
 KINDS = ("stop", "partition", "evict", "kill", "restart")
 CANARY_WATCH_S = 2.5
+BUSY_ROOMS_LOOKED_AT = 32
+"""Before a fault: the latest admitted rooms looked at for one the sender has not concluded
+(the driver keeps at most ``rooms`` of them open)."""
 ADD_PEER_ATTEMPTS = 40
 ADD_PEER_PAUSE_S = 0.05
 PLANTED_BUGS = (
@@ -1066,7 +1069,7 @@ class _Child:
         # (not just waiting for the scheduler to notice that they are complete).
         # Bounded by the watchdog's period, not a fixed second: traffic is flowing, so a
         # loaded machine only makes the wait longer.
-        busy = self._wait_busy(rig, self.monitor.watchdog_s / 2)
+        busy = self._wait_busy(rig, track, self.monitor.watchdog_s / 2)
         fault_at = self._inject(rig, kind)
         # Only now may a failure evict the peer: a room that failed (its deadline missed on
         # a loaded machine) while the partition was being made evicted it before the fault,
@@ -1149,9 +1152,21 @@ class _Child:
         return figures
 
     @staticmethod
-    def _wait_busy(rig: NetnsRig, timeout_s: float) -> bool:
+    def _wait_busy(rig: NetnsRig, track: _Track, timeout_s: float) -> bool:
+        """Wait (up to ``timeout_s``) until chunks are in flight *and* a room admitted lately
+        is not concluded by the sender: a room that missed its deadline on a loaded machine
+        before the fault failed its whole session (a deadline is session-fatal), and its
+        chunks, still in flight, made the moment look busy with no room left to be in
+        flight at the fault ('partition: no room was in flight at the fault')."""
         end = time.monotonic() + timeout_s
-        while rig.mgr.stats().transfers_inflight == 0:
+
+        def busy() -> bool:
+            if rig.mgr.stats().transfers_inflight == 0:
+                return False
+            lately = list(track.handles.values())[-BUSY_ROOMS_LOOKED_AT:]
+            return any(rig.conclusions.at(h.room, h.generation) is None for h in lately)
+
+        while not busy():
             if time.monotonic() >= end:
                 return False
             time.sleep(0.0005)
