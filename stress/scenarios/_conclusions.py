@@ -2,12 +2,10 @@
 
 A :class:`~sender.driver.RoomOutcome`'s ``concluded_at`` is taken by the driver on the
 scheduler thread, after its own work for the room (a bytes check over the peer's control
-channel, waiting for the harness's ``peer_lock`` while a peer restarts). On a loaded machine
-that thread was held up for seconds by a restart of the harness: rooms the sender had failed
-at once were reported 1-7.7 s late (two-hosts ``fail-fast``, ``kill``). A bound on the
-sender is judged by the sender's own time: :class:`ConclusionClock` is a manager listener
-(:class:`~sender.events.ManagerEvents`) that notes ``time.monotonic()`` when the manager
-tells of each opening's conclusion -- after the room's status changed, so never early.
+channel). A bound on the sender is judged by the sender's own time: :class:`ConclusionClock`
+is a manager listener (:class:`~sender.events.ManagerEvents`) that notes ``time.monotonic()``
+when the manager tells of each opening's conclusion -- after the room's status changed, so
+never early.
 """
 
 from __future__ import annotations

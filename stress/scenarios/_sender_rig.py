@@ -707,7 +707,7 @@ class SenderRig:
         self.next_room = 0
         self.notices = NoticeTracker()
         # When each manager of the rig concluded each opening (the sender's time, not the
-        # scheduler's: a restart of the harness may hold the scheduler up for seconds).
+        # scheduler's, which does the harness's own work between its polls).
         self.conclusions = ConclusionClock()
         self.ledger = TransferLedger()
         self._drain_reported: set[RoomHandle] = set()

@@ -226,7 +226,7 @@ class Plan:
         recover_rooms: Consecutive verified successes that count as recovered.
         recover_budget_rooms: The recovery's bound, in rooms, not seconds: the streak must
             come among the first this many rooms concluded after the repair (a fixed 6 s
-            was missed at load 12, with no room concluded at all: the child got no CPU).
+            was missed at load 12, with no room concluded at all; CPU pressure 97 %).
         recover_timeout_s: A guard, not the bound: traffic of the baseline, the notice round
             and a recovery stops admitting rooms after this long whatever it reached (below
             :data:`ROOM_DEADLINE_S`, when the driver aborts) (a recovery cut short
@@ -1370,9 +1370,10 @@ class _Child:
         # scheduler's, which does work of the harness between its polls (bytes checks and
         # page audits over the peer's control channel). The gap is reported
         # (driver_lag_ms_max). Each limit allows 2 x the worst scheduling delay this process
-        # saw while the room waited (LagProbe): at load 12 the whole child got no CPU for
-        # 7.7-13.8 s (rooms opened 0.2 s after a kill failed 13.8 s later; 80 rooms opened in
-        # the window instead of 200-700), which no bound of the sender's own can cover.
+        # saw while the room waited (LagProbe): at load 12 the child was seen barely running
+        # (rooms opened 0.2 s after a kill failed 13.8 s later; 80 rooms opened in the window
+        # instead of 200-700; a py-spy dump of it took 14 s), which no bound of the sender's
+        # own can cover.
         window = [o for o in self.track.outcomes if o.started_at < window_end]
         sender_at = {id(o): self._sender_concluded(o) for o in window}
         untold = sum(at is None for at in sender_at.values())
