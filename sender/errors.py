@@ -25,6 +25,7 @@ __all__ = [
     "KVTransferError",
     "PARAM_ERRORS",
     "PeerNotFoundError",
+    "RegionRetiredError",
     "RoomNotFailedError",
     "TRANSPORT_ERRORS",
     "TransferFailedError",
@@ -93,6 +94,20 @@ class PeerNotFoundError(TransportError):
     def __init__(self, session_id: str) -> None:
         super().__init__(f"unknown session {session_id!r} (never added, or removed)")
         self.session_id = session_id
+
+
+class RegionRetiredError(TransportError):
+    """The transfer's source region was deregistered (``deregister_region``) while NIXL still
+    had the write in progress: the write failed by our doing, but it may still read the
+    region until NIXL settles it (``Transfer.settled``), so it is kept, not released.
+
+    Attributes:
+        region: The region's name.
+    """
+
+    def __init__(self, region: str) -> None:
+        super().__init__(f"source region {region!r} was deregistered during the write")
+        self.region = region
 
 
 class TransferReleasedError(TransportError):
@@ -238,6 +253,7 @@ _OURS: tuple[type[BaseException], ...] = (
     TransferFailedError,
     TransportClosedError,
     PeerNotFoundError,
+    RegionRetiredError,
 )
 
 TRANSPORT_ERRORS: tuple[type[BaseException], ...]

@@ -139,7 +139,12 @@ class KVManager:
             that the sessions' infos take (checked per info by :meth:`add_transfer_info`).
         transfer_timeout_s: deadline of every transfer (a hung peer is never detected
             otherwise).
-        slot_timeout_s: how long a worker waits for a free staging slot.
+        slot_timeout_s: how long a chunk waits for a free staging slot (a worker does not
+            wait: it parks the chunk and retries it between its other work).
+        session_slots: the most staging slots the chunks to one decode session may hold at
+            once (``None``: half the pool, at least 1), so that a hung peer holds at most
+            its share and the other sessions keep the rest (THREADING.md, "Peer
+            isolation").
         lock: kind of the room table's lock (``"mutex"`` or ``"rw"``).
         debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
         poll_interval_s: how long a worker sleeps between polls of a pending transfer
@@ -179,6 +184,7 @@ class KVManager:
         staging_pool: StagingBufferPool | None = None,
         transfer_timeout_s: float = 30.0,
         slot_timeout_s: float = 5.0,
+        session_slots: int | None = None,
         lock: str = "mutex",
         debug: bool | None = None,
         poll_interval_s: float | None = None,
@@ -218,6 +224,12 @@ class KVManager:
         self.staging_pool = staging_pool
         self.transfer_timeout_s = float(transfer_timeout_s)
         self.slot_timeout_s = float(slot_timeout_s)
+        num_slots = staging_pool.num_slots if staging_pool is not None else 1
+        if session_slots is None:
+            session_slots = max(1, num_slots // 2)
+        elif not 1 <= check_index(session_slots, "session_slots") <= num_slots:
+            raise ValueError(f"session_slots must be in [1, {num_slots}], got {session_slots}")
+        self.session_slots = int(session_slots)
         self.poll_interval_s = None if poll_interval_s is None else float(poll_interval_s)
         self.kv_region = kv_region
         self.staging_region = staging_region
@@ -246,6 +258,7 @@ class KVManager:
             num_workers=num_workers,
             transfer_timeout_s=self.transfer_timeout_s,
             slot_timeout_s=self.slot_timeout_s,
+            session_slots=self.session_slots,
             poll_interval_s=self.poll_interval_s,
             kv_region=kv_region,
             staging_region=staging_region,
@@ -682,18 +695,21 @@ class KVManager:
         """Refuse new rooms, purge every open room, drain, stop the workers. Idempotent.
 
         ``close`` and :meth:`open_room` are mutually atomic: a room is either refused or
-        purged here. Transfers still in flight after ``timeout_s`` are *abandoned*: released
-        (NIXL tries to cancel; their bytes may still land) and counted in
-        ``stats().transfers_abandoned``; their rooms get no room notice (their bytes may
-        still land: counted in ``stats().notices_withheld``). A chunk that another thread
-        had claimed is not abandoned: ``close`` waits for its end (at least 0.5 s) so its
-        room's notice is queued. Notices already queued are sent within the same
+        purged here. Transfers still in flight after ``timeout_s`` are *abandoned*: counted
+        in ``stats().transfers_abandoned``, and their rooms get no room notice (counted in
+        ``stats().notices_withheld``). An abandoned transfer that NIXL may still move bytes
+        for is not released: its chunk stays draining (``draining()`` counts it) until a
+        later :meth:`wait_drained` sees NIXL settle it, or the transport is closed (which
+        releases it; after ``NixlTransport.close`` nothing of it moves any more). So
+        ``draining(handle) == 0`` still means the opening's pages may be reused. A chunk
+        that another thread had claimed is not abandoned: ``close`` waits for its end (at
+        least 0.5 s) so its room's notice is queued. Notices already queued are sent within the same
         ``timeout_s`` (at least 0.5 s); a notifier blocked on an unreachable peer is left
         behind (a daemon thread) rather than failing ``close``. Safe from any thread, also
         from a transfer worker (a listener callback runs there): that worker is not joined (a
         thread cannot join itself); its stop is queued and it exits once the callback
-        returns. A worker pausing between polls (``poll_interval_s``) is woken once the
-        drain is over, so a long pause never outlasts the join.
+        returns. A worker's pause between polls (``poll_interval_s``) is a wait on its unit
+        queue, which the stop ends at once, so a long pause never outlasts the join.
 
         Raises:
             TypeError, ValueError: bad ``timeout_s`` (not a number >= 0; ``inf`` waits as long
@@ -710,16 +726,13 @@ class KVManager:
         abandoned = pipeline.abandon_draining()
         if abandoned:
             rooms.count("transfers_abandoned", abandoned)
-        # Every draining chunk has ended or been abandoned: a worker pausing between polls
-        # (poll_interval_s may be longer than what is left of timeout_s) stops pausing now.
-        pipeline.wake_workers()
         # A chunk that another thread claimed before us is not abandoned: its end (a release
         # and its accounting) is in progress and queues its room's notice. Wait for those
         # ends before the notifier is told to stop, at least _CLAIMED_END_GRACE_S.
         settle_until = max(deadline, time.monotonic() + _CLAIMED_END_GRACE_S)
         while True:
             with self._room_lock.read():
-                ending = len(rooms.draining)
+                ending = sum(1 for c in rooms.draining.values() if c.ended)
             if not ending or time.monotonic() >= settle_until:
                 break
             time.sleep(0.0005)

@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,16 +37,33 @@ import torch
 
 from sender import _nixl
 from sender.chunks import Chunk, TransferLike
-from sender.errors import PeerNotFoundError, TransferTimeoutError, TransportParamError
+from sender.errors import (
+    PeerNotFoundError,
+    RegionRetiredError,
+    TransferTimeoutError,
+    TransportParamError,
+)
 from sender.pages import CheckedPages
 from sender.poll import KVPoll
 from sender.rooms import After, RoomEntry, RoomTable
 from sender.transport import PageIndices, pause_between_polls, poll_pauses
-from staging.buffers import PoolClosedError, PoolExhaustedError, StagingBufferPool
+from staging.buffers import (
+    PoolClosedError,
+    PoolExhaustedError,
+    StagingBufferPool,
+    StagingSlot,
+)
 from staging.context import RoomHandle
 from staging.validate import bounded_wait, check_chunk_idx, check_index
 
-__all__ = ["HUNG_SWEEP_S", "SESSION_FATAL_ERRORS", "ChunkPipeline", "TransportLike"]
+__all__ = [
+    "FAILED_BY_US",
+    "HUNG_SWEEP_S",
+    "SESSION_FATAL_ERRORS",
+    "ChunkPipeline",
+    "SlotsHeldByHungError",
+    "TransportLike",
+]
 
 logger = logging.getLogger("sender.manager")
 
@@ -60,6 +77,15 @@ SESSION_FATAL_ERRORS: tuple[type[BaseException], ...] = (
         else ()
     ),
 )
+
+FAILED_BY_US: tuple[type[BaseException], ...] = (
+    TransferTimeoutError,
+    PeerNotFoundError,
+    RegionRetiredError,
+)
+"""Transfer errors that are our doing, not NIXL's (a deadline; a write kept by
+``remove_peer`` or ``deregister_region``): NIXL may still move the write's bytes, so its chunk
+ends only once ``settled()`` says so."""
 
 WORKER_SPIN_S = 200e-6
 """Workers spin (poll with only a ``sched_yield`` between polls) for less than
@@ -75,10 +101,17 @@ chunks that hold slots this often (:meth:`ChunkPipeline._end_slot_holders`). Nob
 would end them: their writes may have completed long ago, but only a ``poll()`` on this very
 thread would see it, and this thread is the one waiting."""
 
-_WAKEABLE_PAUSE_S = 1e-3
-"""A worker's pause between polls longer than this waits on the pipeline's wake event
-(``close()`` sets it), so that a long ``poll_interval_s`` never outlasts ``close()``'s join;
-shorter pauses sleep (cheaper)."""
+_QUEUE_WAIT_MIN_S = 1e-3
+"""A worker's pause between polls at least this long is a wait on the unit queue (a new
+unit, or ``close()``'s stop, ends it at once); a shorter one checks the queue and then
+sleeps (cheaper)."""
+
+
+class _Idle:
+    """What :meth:`ChunkPipeline._next_unit` returns when no unit came."""
+
+
+_IDLE = _Idle()
 
 _debug_enabled = functools.partial(logger.isEnabledFor, logging.DEBUG)
 
@@ -96,19 +129,32 @@ class SlotsHeldByHungError(PoolExhaustedError):
     after whole multiples of ``slot_timeout_s``. A :class:`PoolExhaustedError`, so code
     that handles exhaustion handles this too.
 
+    Also raised when the chunk's session holds its whole cap of slots
+    (``KVManager(session_slots=...)``) and each of them is leased to a hung chunk: the other
+    sessions keep the rest of the pool.
+
     Attributes:
-        num_slots: The pool's slots (all of them leased to hung chunks).
+        num_slots: The pool's slots.
         hung: The hung chunks that held a slot when the wait gave up.
+        session_id: The session at its cap, or ``None`` when every slot of the pool is held.
     """
 
-    def __init__(self, num_slots: int, hung: int) -> None:
+    def __init__(
+        self, num_slots: int, hung: int, session_id: str | None = None, cap: int | None = None
+    ) -> None:
         super().__init__(num_slots, 0.0)
+        held = (
+            f"all {num_slots} staging slots are"
+            if session_id is None
+            else f"the {cap} staging slots session {session_id!r} may hold (its cap) are all"
+        )
         self.args = (
-            f"all {num_slots} staging slots are held by hung transfers ({hung} chunks past "
-            "their deadline that NIXL still has in progress); none comes back before their "
-            "peer answers again or is removed (remove_peer)",
+            f"{held} held by hung transfers ({hung} chunks past their deadline that NIXL "
+            "still has in progress); none comes back before NIXL settles its transfer (the "
+            "peer answers again): removing the peer does not free them",
         )
         self.hung = hung
+        self.session_id = session_id
 
 
 class TransportLike(Protocol):
@@ -159,6 +205,7 @@ class ChunkPipeline:
         num_workers: int,
         transfer_timeout_s: float,
         slot_timeout_s: float,
+        session_slots: int,
         poll_interval_s: float | None,
         kv_region: str,
         staging_region: str,
@@ -170,6 +217,7 @@ class ChunkPipeline:
         self.pool = staging_pool
         self.transfer_timeout_s = transfer_timeout_s
         self.slot_timeout_s = slot_timeout_s
+        self.session_slots = session_slots
         self.poll_interval_s = poll_interval_s
         self.kv_region = kv_region
         self.staging_region = staging_region
@@ -185,9 +233,16 @@ class ChunkPipeline:
         # The worker queue: units of chunks (SimpleQueue.put never blocks); None = stop.
         self._queue: queue.SimpleQueue[list[Chunk] | None] = queue.SimpleQueue()
         self._stopped = False
-        # Set once by close() (wake_workers), after its drain: a worker pausing between the
-        # polls of its chunks stops pausing, finds them ended and exits.
-        self._wake = threading.Event()
+        # _tracked: the posted chunks the workers poll (:meth:`_poll_pass`), in no order.
+        # Guarded by _tracked_lock (a leaf lock outside the model: held only to swap or
+        # extend the list). _pass_claim: one worker at a time passes over them (a
+        # non-blocking acquire, so nobody waits for it).
+        self._tracked_lock = threading.Lock()
+        self._tracked: list[Chunk] = []
+        # _parked: pool units (one chunk each) that found no slot under their session's cap,
+        # with when they were first parked; retried by the workers. Guarded by _tracked_lock.
+        self._parked: list[tuple[list[Chunk], float]] = []
+        self._pass_claim = threading.Lock()
         self.workers = [
             threading.Thread(target=self._worker_main, name=f"kv-worker-{i}", daemon=True)
             for i in range(num_workers)
@@ -259,6 +314,7 @@ class ChunkPipeline:
         except BaseException as exc:  # before the chunks were registered: they end here
             for chunk in unit:
                 if not chunk.ended and chunk.transfer is None:
+                    self._return_slots([chunk])
                     self.rooms.internal_error(chunk, exc, chunk_ends=True)
             return []
 
@@ -270,6 +326,7 @@ class ChunkPipeline:
         # and the write lock, right before the post.
         entry = rooms.peek(handle)
         if entry is None or rooms.request_status.get(handle.room) is KVPoll.Failed:
+            self._return_slots(unit)
             rooms.skip(unit)
             return []
         if self.pool is not None:
@@ -300,31 +357,21 @@ class ChunkPipeline:
         rooms = self.rooms
         handle = entry.handle
         ready = [c for c in unit if not c.num_pages]  # nothing to stage
-        # Sweep while waiting: the slots waited for may be held by hung chunks. Inline, the
-        # waiting thread also ends the completed chunks that hold slots: they are its own
-        # (or another caller's of send/progress), and no worker would ever end them.
-        # Either way, the wait ends at once when every slot is held by a hung chunk
-        # (_give_up_if_slots_all_hung): none comes back before NIXL settles its transfer.
-        sweep, wake_s = (
-            (self.maybe_sweep, HUNG_SWEEP_S)
-            if self.workers
-            else (self._end_slot_holders, INLINE_SLOT_POLL_S)
-        )
-
-        def on_wake() -> None:
-            sweep()
-            self._give_up_if_slots_all_hung()
-
-        for chunk in rooms.note_prefetched(unit):
+        prefetched = rooms.note_prefetched(unit)
+        if len(prefetched) + len(ready) < len(unit):  # their room is gone: they were skipped
+            ids = {c.chunk_id for c in prefetched}
+            self._return_slots([c for c in unit if c.num_pages and c.chunk_id not in ids])
+        for chunk in prefetched:
             try:
                 try:
-                    # A worker's acquire tries first, then checks after its first piece.
-                    slot = None if self.workers else pool.try_acquire(handle)
-                    if slot is None and not self.workers:
-                        on_wake()  # before any wait (slot_timeout_s may be 0)
-                    chunk.slot = slot if slot is not None else pool.acquire(
-                        handle, self.slot_timeout_s, on_wake=on_wake, wake_s=wake_s
-                    )
+                    # A worker leased the slot before it ran the unit (_lease_or_park).
+                    # Inline, the caller waits for one, and meanwhile ends the completed
+                    # chunks that hold slots: they are its own (or another caller's of
+                    # send/progress), and no worker would ever end them. The wait ends at
+                    # once when the slots it waits for are held by hung chunks
+                    # (_give_up_if_slots_all_hung): none comes back before NIXL settles it.
+                    if chunk.slot is None:
+                        chunk.slot = self._wait_for_slot(chunk)
                 except (PoolExhaustedError, PoolClosedError) as exc:
                     rooms.slot_failed(chunk, exc)
                     continue
@@ -339,22 +386,116 @@ class ChunkPipeline:
                 rooms.internal_error(chunk, exc, chunk_ends=True)
         return ready
 
-    def _give_up_if_slots_all_hung(self) -> None:
-        """A slot wait's check, between its pieces (holding no lock): raise
-        :class:`SlotsHeldByHungError` when every slot is leased and at least as many hung
-        chunks hold one. Both counts are read apart, so a slot freed in between (a hung
-        chunk ending: its slot is returned before it leaves ``rooms.hung``) shows as a free
-        slot and the wait goes on to take it."""
+    def _wait_for_slot(self, chunk: Chunk) -> StagingSlot:
+        """Inline mode: lease ``chunk`` a slot under its session's cap, waiting up to
+        ``slot_timeout_s``; polls the slot holders and sweeps while it waits.
+
+        Raises:
+            PoolExhaustedError: none in time, or (:class:`SlotsHeldByHungError`) at once
+                when the slots it waits for are held by hung chunks.
+            PoolClosedError: the pool is closed.
+        """
+        pool = self.pool
+        assert pool is not None
+        handle, session = chunk.handle, chunk.session_id
+
+        def on_wake() -> None:
+            self._end_slot_holders()
+            self._give_up_if_slots_all_hung(session)
+
+        slot = pool.try_acquire(handle, group=session, group_cap=self.session_slots)
+        if slot is not None:
+            return slot
+        on_wake()  # before any wait (slot_timeout_s may be 0)
+        return pool.acquire(
+            handle, self.slot_timeout_s, on_wake=on_wake, wake_s=INLINE_SLOT_POLL_S,
+            group=session, group_cap=self.session_slots,
+        )
+
+    def _give_up_if_slots_all_hung(self, session: str) -> None:
+        """A slot wait's check (holding no lock): raise :class:`SlotsHeldByHungError` when
+        the slots a chunk to ``session`` waits for are all held by hung chunks -- every slot
+        of the pool, or the session's whole cap. The counts are read apart, so a slot freed
+        in between (a hung chunk ending: its slot is returned before it leaves
+        ``rooms.hung``) shows as a free slot and the wait goes on to take it."""
         pool = self.pool
         assert pool is not None
         if not self.rooms.hung:  # a single atomic read: nothing hung, the usual case
             return
+        hung_slots = [c.session_id for c in self.rooms.hung_chunks() if c.slot is not None]
         num_slots = pool.num_slots
-        if pool.stats().in_use < num_slots:
-            return
-        hung = sum(1 for c in self.rooms.hung_chunks() if c.slot is not None)
-        if hung >= num_slots:
-            raise SlotsHeldByHungError(num_slots, hung)
+        if pool.stats().in_use >= num_slots and len(hung_slots) >= num_slots:
+            raise SlotsHeldByHungError(num_slots, len(hung_slots))
+        cap = self.session_slots
+        if pool.group_slots(session) >= cap and hung_slots.count(session) >= cap:
+            raise SlotsHeldByHungError(num_slots, hung_slots.count(session), session, cap)
+
+    def _lease_or_park(self, unit: list[Chunk]) -> bool:
+        """A worker, before it runs a pool unit (one chunk): lease its slot under its
+        session's cap without waiting. ``False`` when none is free for it now: the unit is
+        parked (:meth:`_retry_parked`) and the worker goes on with other work, so a chunk
+        waiting for a slot never holds a worker. Raises what ``try_acquire`` raises."""
+        chunk = unit[0]
+        if chunk.slot is not None or not chunk.num_pages:
+            return True
+        pool = self.pool
+        assert pool is not None
+        chunk.slot = pool.try_acquire(
+            chunk.handle, group=chunk.session_id, group_cap=self.session_slots
+        )
+        return chunk.slot is not None
+
+    def _run_pool_unit(self, unit: list[Chunk], parked_at: float | None) -> list[Chunk] | None:
+        """A worker runs ``unit`` (one chunk) once its slot is leased; ``None`` when it
+        stays parked (first parked at ``parked_at``, now if ``None``). A parked chunk of a
+        purged or failed room is skipped; one that waited ``slot_timeout_s``, or whose
+        slots are all held by hung chunks, fails its room."""
+        chunk = unit[0]
+        rooms = self.rooms
+        try:
+            if self._lease_or_park(unit):
+                return self._run_unit(unit)
+            entry = rooms.peek(chunk.handle)
+            if entry is None or rooms.request_status.get(chunk.handle.room) is KVPoll.Failed:
+                return self._run_unit(unit)  # skipped there
+            now = time.monotonic()
+            if parked_at is None:
+                parked_at = now
+            self._give_up_if_slots_all_hung(chunk.session_id)
+            if now - parked_at >= self.slot_timeout_s:
+                assert self.pool is not None
+                self.pool.note_exhausted()
+                raise PoolExhaustedError(self.pool.num_slots, self.slot_timeout_s)
+        except (PoolExhaustedError, PoolClosedError) as exc:
+            rooms.slot_failed(chunk, exc)
+            return []
+        with self._tracked_lock:
+            self._parked.append((unit, parked_at))
+        return None
+
+    def _retry_parked(self) -> bool:
+        """Give each parked unit another try (:meth:`_run_pool_unit`), oldest first;
+        whether any left the parking."""
+        with self._tracked_lock:
+            parked, self._parked = self._parked, []
+        if not parked:
+            return False
+        moved = False
+        for unit, since in parked:
+            pending = self._run_pool_unit(unit, since)
+            if pending is not None:
+                moved = True
+                if pending:
+                    self._track(pending)
+        return moved
+
+    def _drop_parked(self) -> None:
+        """A stopping worker: the parked units of its manager's close end (their rooms were
+        purged: skipped)."""
+        with self._tracked_lock:
+            parked, self._parked = self._parked, []
+        for unit, _ in parked:
+            self._run_unit(unit)
 
     def _end_slot_holders(self) -> None:
         """Inline mode, while a send waits for a staging slot: poll once every posted chunk
@@ -448,18 +589,20 @@ class ChunkPipeline:
             settled = getattr(transfer, "settled", None)
             if settled is None or settled():
                 return True, (chunk, chunk.hung, False, True)
+            self._retire_if_peer_removed(chunk)
             return True, None
         try:
             state = transfer.poll()
-        except (TransferTimeoutError, PeerNotFoundError) as exc:
-            # Failed by us (its deadline, or remove_peer kept it): it is over only once
-            # NIXL says so; releasing it would not stop its bytes.
-            settled = getattr(transfer, "settled", None)
-            if settled is not None and not settled():
-                self._hang(chunk, exc)  # NIXL still has it: it may yet write
-                return True, None
-            return True, (chunk, exc, False, False)
         except BaseException as exc:
+            # Failed by us (its deadline; remove_peer or deregister_region kept it): it is
+            # over only once NIXL says so; releasing it would not stop its bytes. A failure
+            # NIXL reported is settled at once.
+            if isinstance(exc, FAILED_BY_US):
+                settled = getattr(transfer, "settled", None)
+                if settled is not None and not settled():
+                    self._hang(chunk, exc)  # NIXL still has it: it may yet write
+                    self._retire_if_peer_removed(chunk)
+                    return True, None
             return True, (chunk, exc, False, False)
         if state != "DONE":
             return False, None
@@ -479,6 +622,17 @@ class ChunkPipeline:
         if ends:
             self._end_many(ends)
         return still
+
+    def _retire_if_peer_removed(self, chunk: Chunk) -> None:
+        """A hung chunk whose peer was removed (``remove_peer`` kept its write): retire its
+        staging slot. The slot is not reused while NIXL may still read it, but it no longer
+        counts against the pool or its session's cap (a spare stands in, if the pool has
+        one), so the removal gives the peer's share of the pool back."""
+        slot = chunk.slot
+        if slot is not None and self.pool is not None and getattr(
+            chunk.transfer, "peer_removed", False
+        ):
+            self.pool.retire(slot)
 
     def _hang(self, chunk: Chunk, exc: BaseException) -> None:
         """The chunk failed by our doing (its deadline passed, or its peer was removed)
@@ -603,13 +757,27 @@ class ChunkPipeline:
             time.sleep(0.0002)
 
     def abandon_draining(self) -> int:
-        """``close()``: release every draining chunk nobody ended yet (their bytes may still
-        land); how many this call abandoned."""
-        with self.rooms.lock.read():
-            left = list(self.rooms.draining.values())
+        """``close()``, past its wait: poll every draining chunk once, then give up on those
+        still in flight; how many it gave up on. A transfer that can say whether NIXL may
+        still move its bytes (``settled``, as the transport's do) is *not* released: its
+        chunk stays draining until a later :meth:`wait_drained` sees it settled, so that
+        ``draining()`` never says 0 while its bytes may still land. One that cannot say
+        (a wrapper without ``settled``) is released: its bytes may still land."""
+        rooms = self.rooms
+        with rooms.lock.read():
+            left = list(rooms.draining.values())
         if not left:
             return 0
-        return self._end_many_safely([(c, None, True, False) for c in left])
+        try:
+            self.poll_all(left)
+        except BaseException:  # a release error: the chunk ended; it is not abandoned
+            rooms.unaccounted_errors += 1
+        with rooms.lock.read():
+            left = [c for c in rooms.draining.values() if not c.ended]
+        unknowable = [c for c in left if getattr(c.transfer, "settled", None) is None]
+        if unknowable:
+            self._end_many_safely([(c, None, True, False) for c in unknowable])
+        return len(left)
 
     # ------------------------------------------------------------------ workers
 
@@ -620,11 +788,6 @@ class ChunkPipeline:
         self._stopped = True
         for _ in self.workers:
             self._queue.put(None)
-
-    def wake_workers(self) -> None:
-        """Cut short every worker's pause between polls, now and later (``close()``, once
-        its drain is over). Idempotent."""
-        self._wake.set()
 
     def join_workers(self, deadline: float) -> list[str]:
         """Join the workers until ``deadline`` (each at least 0.5 s: a worker polling an
@@ -638,42 +801,95 @@ class ChunkPipeline:
                 worker.join(bounded_wait(max(0.5, deadline - time.monotonic())))
         return [w.name for w in self.workers if w is not me and w.is_alive()]
 
-    def _pause(self, pause_s: float) -> None:
-        """A worker's pause between polls (see :data:`_WAKEABLE_PAUSE_S`)."""
-        if pause_s > _WAKEABLE_PAUSE_S:
-            self._wake.wait(bounded_wait(pause_s))
-        else:
-            pause_between_polls(pause_s)
+    def _track(self, chunks: list[Chunk]) -> None:
+        """Hand posted chunks to the shared poll (:meth:`_poll_pass`)."""
+        with self._tracked_lock:
+            self._tracked.extend(chunks)
 
-    def _sweep_busy(self) -> None:
-        """The sweep a busy worker does (between the polls of its chunks, after each unit):
-        under steady traffic its queue is never empty for long, so the idle sweep alone would
-        never come."""
-        self.maybe_sweep()  # the busy path's sweep
+    def _poll_pass(self) -> bool:
+        """One pass over every tracked chunk, by one worker at a time (others skip it: a
+        non-blocking claim): poll each once, end those that ended, keep the rest. Never
+        blocks on a transfer; a chunk past its deadline leaves the pass as hung (swept
+        from then on). Returns whether any chunk left the pass. Never raises: a release
+        error fails the room of the first chunk ended with it."""
+        if not self._pass_claim.acquire(False):
+            return False
+        try:
+            with self._tracked_lock:
+                batch, self._tracked = self._tracked, []
+            if not batch:
+                return False
+            ends: list[_End] = []
+            still: list[Chunk] = []
+            for chunk in batch:
+                done, end = self.poll_once(chunk)
+                if end is not None:
+                    ends.append(end)
+                if not done:
+                    still.append(chunk)
+            if still:
+                self._track(still)
+            if ends:
+                self._end_many_safely(ends)
+            return len(still) < len(batch)
+        finally:
+            self._pass_claim.release()
+
+    def _pauses(self) -> Iterator[float]:
+        """The pauses between the polls of a busy worker (see :data:`WORKER_SPIN_S`)."""
+        if self.poll_interval_s is None:
+            return poll_pauses(WORKER_SPIN_S)
+        return itertools.repeat(self.poll_interval_s)
+
+    def _next_unit(self, pause_s: float) -> list[Chunk] | _Idle | None:
+        """The next queued unit, waiting at most ``pause_s`` (a pause shorter than
+        :data:`_QUEUE_WAIT_MIN_S` is a check of the queue, then the pause itself)."""
+        try:
+            if pause_s >= _QUEUE_WAIT_MIN_S:
+                return self._queue.get(timeout=bounded_wait(pause_s))
+            unit = self._queue.get_nowait()
+        except queue.Empty:
+            if pause_s < _QUEUE_WAIT_MIN_S:
+                pause_between_polls(pause_s)
+            return _IDLE
+        return unit
 
     def _worker_main(self) -> None:
+        """A worker: run queued units (stage, post) and, between them, pass over every
+        chunk in flight (:meth:`_poll_pass`). It never waits on one chunk: a chunk of a
+        hung peer costs each pass one status check, and other peers' units and chunks go
+        on meanwhile."""
+        pauses: Iterator[float] | None = None
         while True:
-            try:
-                unit = self._queue.get(timeout=HUNG_SWEEP_S)
-            except queue.Empty:
-                self.maybe_sweep()
-                continue
+            if self._tracked or self._parked:  # racy reads: a stale answer costs one wait
+                if pauses is None:
+                    pauses = self._pauses()
+                pause = next(pauses)
+                if self.rooms.hung:
+                    pause = min(pause, HUNG_SWEEP_S)
+            else:
+                pauses, pause = None, HUNG_SWEEP_S
+            unit = self._next_unit(pause)
             if unit is None:
+                self._drop_parked()
                 return
             try:
-                pending = self._run_unit(unit)
-                pauses = (
-                    poll_pauses(WORKER_SPIN_S)
-                    if self.poll_interval_s is None
-                    else itertools.repeat(self.poll_interval_s)
-                )
-                while pending:
-                    pending = self.poll_all(pending)
+                if self._parked and self._retry_parked():  # older than the new unit
+                    pauses = None
+                if not isinstance(unit, _Idle):
+                    pending = (
+                        self._run_unit(unit)
+                        if self.pool is None
+                        else self._run_pool_unit(unit, None)
+                    )
                     if pending:
-                        self._sweep_busy()
-                        pause = next(pauses)
-                        hung = self.rooms.hung
-                        self._pause(min(pause, HUNG_SWEEP_S) if hung else pause)
+                        self._track(pending)
+                        pauses = None  # new work: spin again before pausing longer
+                if self._tracked and self._poll_pass():
+                    pauses = None
             except BaseException as exc:  # a worker never dies: the room fails instead
-                self.rooms.internal_error(unit[0], exc, chunk_ends=False)
-            self._sweep_busy()
+                if not isinstance(unit, _Idle):
+                    self.rooms.internal_error(unit[0], exc, chunk_ends=False)
+                else:
+                    self.rooms.unaccounted_errors += 1
+            self.maybe_sweep()  # every iteration, busy or idle

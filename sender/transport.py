@@ -69,6 +69,7 @@ from sender.errors import (
     PARAM_ERRORS,
     AgentSetupError,
     PeerNotFoundError,
+    RegionRetiredError,
     TransferFailedError,
     TransferReleasedError,
     TransferTimeoutError,
@@ -458,6 +459,13 @@ class Transfer:
         """The error this transfer failed with, if any."""
         return self._failure
 
+    @property
+    def peer_removed(self) -> bool:
+        """True once the peer entry this transfer was posted to was removed
+        (:meth:`NixlTransport.remove_peer`; a peer added again under the same session id is
+        a new entry). Never calls NIXL."""
+        return self._peer.retired
+
     def __repr__(self) -> str:
         state = (
             "released" if self._released else "done" if self._done
@@ -550,9 +558,10 @@ class Transfer:
     def settled(self) -> bool:
         """``True`` once this write can no longer move bytes, as far as NIXL can tell: it
         is done, released, or failed with an error NIXL reported. A transfer that failed
-        only by *our* doing -- its deadline (:class:`TransferTimeoutError`) or its peer's
+        only by *our* doing -- its deadline (:class:`TransferTimeoutError`), its peer's
         removal (:meth:`NixlTransport.remove_peer` keeps it, failed with
-        :class:`PeerNotFoundError`) -- is not settled while NIXL still reports it in
+        :class:`PeerNotFoundError`) or its source region's deregistration
+        (:class:`RegionRetiredError`) -- is not settled while NIXL still reports it in
         progress: its peer may be hung or cut off and come back, and the write may then
         still land. So this asks NIXL again (``check_xfer_state``): ``"DONE"`` or an error
         means settled. Never raises.
@@ -601,16 +610,16 @@ class Transfer:
                 if error is not None and handle is not None:
                     tx._refused_handles.append(handle)
                     tx._n_release_refused += 1
-                reap = peer.retired and not peer.transfers
+                reap = (peer.retired and not peer.transfers) or bool(tx._retiring)
         if error is not None:
             logger.warning("releasing %r failed (%s); retried at close()", self, error)
         if reap:  # the last kept transfer of a removed peer: drop what it kept loaded
             tx._try_reap_retired()
 
-    def _keep_if_unsettled(self) -> bool:
-        """``remove_peer``: keep this transfer (``True``) when NIXL may still move its bytes
-        -- posted, and neither done nor failed as NIXL answers now -- failing it with
-        :class:`PeerNotFoundError` unless it already failed by its deadline; ``False``
+    def _keep_if_unsettled(self, failure: BaseException) -> bool:
+        """``remove_peer``/``deregister_region``: keep this transfer (``True``) when NIXL
+        may still move its bytes -- posted, and neither done nor failed as NIXL answers now
+        -- failing it with ``failure`` unless it already failed by its deadline; ``False``
         when it can be released now. Caller holds the transport's ``_admin_lock`` (not
         ``_lock``)."""
         with self._lock:
@@ -623,7 +632,7 @@ class Transfer:
                 return False
             self._kept = True
             if self._failure is None:
-                self._failure = PeerNotFoundError(self._peer.session_id)
+                self._failure = failure
                 self._transport._on_failed(timed_out=False)
             return True
 
@@ -745,6 +754,9 @@ class NixlTransport:
         # Deregistered regions whose memory is kept alive until close(): a remote sender may
         # still hold their old metadata and write into them. Guarded by _lock.
         self._retired: list[_LocalRegion] = []
+        # _retiring: deregistered regions still registered with NIXL because a kept transfer
+        # reads them; dropped by _reap_retired_admin once none does. Guarded by _lock.
+        self._retiring: list[_LocalRegion] = []
 
     # ------------------------------------------------------------------ properties
 
@@ -831,16 +843,21 @@ class NixlTransport:
         """Retire region ``name``; returns False if it was not registered.
 
         The region leaves :meth:`regions` and every later :meth:`metadata` at once, new
-        writes from it are refused, live transfers reading from it are released (see
-        :meth:`Transfer.release`: a pending one may still read it), and NIXL's registration
-        is dropped. **Its memory is not released**: the transport keeps the tensor
-        referenced until :meth:`close` (and briefly after, see docs/PROTOCOL.md), because a
-        remote sender that loaded the old metadata can still WRITE into it — NIXL 1.5.1 does
-        not refuse such a write after ``deregister_memory`` (measured over UCX CMA and TCP:
-        the bytes land), and nothing tells the receiver when every sender has dropped the
-        metadata. The caller must not reuse that memory (nor register it again) before
-        :meth:`close` either. Registering a new region under the same name is fine: it
-        gets new memory, and senders see it only after fetching the metadata again.
+        writes from it are refused, and live transfers reading from it are released --
+        except those NIXL may still move bytes for (posted, neither done nor failed by
+        NIXL: a hung or cut-off peer's), which are *kept*, as :meth:`remove_peer` keeps
+        them: failed with :class:`RegionRetiredError`, still answering
+        :meth:`Transfer.settled` from NIXL, released by their owner once settled (or by
+        :meth:`close`). NIXL's registration of the region (and its prepared list) is
+        dropped once no kept transfer reads it any more. **Its memory is not released**:
+        the transport keeps the tensor referenced until :meth:`close` (and briefly after,
+        see docs/PROTOCOL.md), because a remote sender that loaded the old metadata can
+        still WRITE into it — NIXL 1.5.1 does not refuse such a write after
+        ``deregister_memory`` (measured over UCX CMA and TCP: the bytes land), and nothing
+        tells the receiver when every sender has dropped the metadata. The caller must not
+        reuse that memory (nor register it again) before :meth:`close` either. Registering a
+        new region under the same name is fine: it gets new memory, and senders see it only
+        after fetching the metadata again.
 
         Thread-safety: safe from any thread; serialised with other membership changes.
 
@@ -854,14 +871,12 @@ class NixlTransport:
                     return False
                 self._retired.append(region)  # memory stays alive until close()
                 users = [t for t in self._live if t.src_region == name]
-                agent = self._agent
             for t in users:  # waits for posts in progress from this region to return
-                t.release()
-            _release_prepped(agent, region.prepped)
-            try:
-                agent.deregister_memory(region.reg_descs, ["UCX"])
-            except Exception as exc:
-                logger.warning("deregistering region %r failed: %s", name, exc)
+                if not t._keep_if_unsettled(RegionRetiredError(name)):
+                    t.release()
+            with self._lock:
+                self._retiring.append(region)
+            self._reap_retired_admin()
         return True
 
     def regions(self) -> dict[str, RegionInfo]:
@@ -976,7 +991,7 @@ class NixlTransport:
                 transfers = list(peer.transfers)
             kept = 0
             for t in transfers:  # waits for posts in progress to this peer to return
-                if t._keep_if_unsettled():
+                if t._keep_if_unsettled(PeerNotFoundError(session_id)):
                     kept += 1
                 else:
                     t.release()
@@ -1002,13 +1017,22 @@ class NixlTransport:
         last). Caller holds ``_admin_lock``."""
         with self._lock:
             done = [p for p in self._retired_peers if not p.transfers]
-            if not done:
+            used = {t.src_region for t in self._live}
+            regions = [r for r in self._retiring if r.info.name not in used]
+            if not done and not regions:
                 return
             self._retired_peers = [p for p in self._retired_peers if p.transfers]
+            self._retiring = [r for r in self._retiring if r.info.name in used]
             last = {p.agent_name for p in done if self._drop_remote_ref_locked(p.agent_name)}
             agent = self._agent
         if agent is None:  # closed meanwhile: close() removed everything
             return
+        for region in regions:  # no live transfer reads it any more
+            _release_prepped(agent, region.prepped)
+            try:
+                agent.deregister_memory(region.reg_descs, ["UCX"])
+            except Exception as exc:
+                logger.warning("deregistering region %r failed: %s", region.info.name, exc)
         for peer in done:
             for handle in peer.prepped.values():
                 _release_prepped(agent, handle)
@@ -1397,7 +1421,7 @@ class NixlTransport:
                 self._closed = True
                 transfers = list(self._live)
                 remote_agents = list(self._remote_refs)
-                regions = list(self._regions.values())
+                regions = [*self._regions.values(), *self._retiring]
                 peers = [*self._peers.values(), *self._retired_peers]
                 prepped = [h for p in peers for h in p.prepped.values()]
                 prepped += [r.prepped for r in regions]
@@ -1434,6 +1458,7 @@ class NixlTransport:
                 self._retired_peers.clear()
                 self._remote_refs.clear()
                 self._regions.clear()
+                self._retiring.clear()
                 self._agent = None
                 self._xfer_agent = None  # the binding agent must go with the wrapper
                 retired, self._retired = self._retired, []

@@ -64,6 +64,8 @@ class StagingSlot:
     owner: Hashable
     first_page: int
     slot_pages: int
+    group: Hashable = None
+    """The lease's group (the sender's: its decode session), capped by ``group_cap``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,10 @@ class PoolStats:
     acquired: int
     released: int
     exhausted: int
+    retired: int = 0
+    """Retired leases not yet released (:meth:`StagingBufferPool.retire`)."""
+    spare: int = 0
+    """Spare slots left to stand in for retired ones."""
 
 
 class StagingBufferPool:
@@ -89,9 +95,15 @@ class StagingBufferPool:
         device: torch device of the buffer (``"cpu"`` here; ``"cuda"`` where a GPU exists).
         lock: ``"mutex"`` (default) or ``"rw"``; the lock has level ``LockLevel.POOL``.
         debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
+        spare_slots: slots beyond ``num_slots`` (>= 0, default 0), in the same tensor, that
+            stand in for *retired* ones (:meth:`retire`): a lease whose memory must not be
+            reused yet (a removed peer's write that NIXL may still read) stops counting
+            against the pool, and a spare takes its place, so the pool keeps ``num_slots``
+            usable slots. Without a spare the pool is one slot short until the retired
+            lease is released. Costs ``spare_slots * slot_pages * page_bytes`` bytes.
 
     Raises:
-        TypeError, ValueError: a size that is not an ``int`` >= 1.
+        TypeError, ValueError: a size that is not an ``int`` >= 1 (``spare_slots``: >= 0).
     """
 
     def __init__(
@@ -103,9 +115,11 @@ class StagingBufferPool:
         device: str | torch.device = "cpu",
         lock: str = "mutex",
         debug: bool | None = None,
+        spare_slots: int = 0,
     ) -> None:
         """Make a :class:`StagingBufferPool`: every argument and what it raises are in the
         class docstring (``help(StagingBufferPool)``)."""
+        check_index(spare_slots, "spare_slots")
         for name, value in (
             ("num_slots", num_slots),
             ("slot_pages", slot_pages),
@@ -117,7 +131,8 @@ class StagingBufferPool:
         self._slot_pages = slot_pages
         self._page_bytes = page_bytes
         self._buffer = torch.zeros(
-            (num_slots * slot_pages, page_bytes), dtype=torch.uint8, device=device
+            ((num_slots + spare_slots) * slot_pages, page_bytes), dtype=torch.uint8,
+            device=device,
         )
         self._lock = make_lock(lock, "staging-pool", LockLevel.POOL, debug=debug)
         # Signalled (under _cond's own mutex) whenever a slot is freed or the pool closes.
@@ -126,10 +141,19 @@ class StagingBufferPool:
         # --- Guarded by _lock; mutate only under write(). ---
         # _free: indices of free slots. _leases: slot index -> its live StagingSlot.
         # _by_owner: owner -> set of slot indices leased to it (no empty sets stored).
-        # Invariant: set(_leases) and _free partition range(num_slots).
+        # _by_group: group -> slots leased to it (leases with a group only; no zeros).
+        # _retired: slot index -> a retired lease (not reused until released, counted in no
+        # owner or group). _spare: indices standing in for retired ones. _short: retired
+        # leases no spare stood in for (the pool is that many slots short).
+        # Invariants: set(_leases), _free, set(_retired) and _spare partition
+        # range(num_slots + spare_slots); len(_leases) + len(_free) + _short == num_slots.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._retired: dict[int, StagingSlot] = {}
+        self._spare: list[int] = list(range(num_slots + spare_slots - 1, num_slots - 1, -1))
+        self._short = 0
         self._leases: dict[int, StagingSlot] = {}
         self._by_owner: dict[Hashable, set[int]] = {}
+        self._by_group: dict[Hashable, int] = {}
         self._lease_ids = itertools.count(1)
         self._closed = False
         self._acquired = 0
@@ -162,8 +186,14 @@ class StagingBufferPool:
 
     # ------------------------------------------------------------------ leasing
 
-    def try_acquire(self, owner: Hashable) -> StagingSlot | None:
+    def try_acquire(
+        self, owner: Hashable, *, group: Hashable = None, group_cap: int | None = None
+    ) -> StagingSlot | None:
         """Lease a free slot to ``owner`` now, or ``None``. Thread-safe; write lock; no wait.
+
+        With a ``group`` (not ``None``) and a ``group_cap``, ``None`` also when the group
+        already holds ``group_cap`` slots: no group can lease more than its cap, so the
+        other groups keep the rest of the pool (the sender caps each decode session).
 
         Raises:
             PoolClosedError: the pool is closed.
@@ -173,9 +203,15 @@ class StagingBufferPool:
                 raise PoolClosedError("staging pool is closed")
             if not self._free:
                 return None
+            if group is not None:
+                held = self._by_group.get(group, 0)
+                if group_cap is not None and held >= group_cap:
+                    return None
+                self._by_group[group] = held + 1
             index = self._free.pop()
             slot = StagingSlot(
-                index, next(self._lease_ids), owner, index * self._slot_pages, self._slot_pages
+                index, next(self._lease_ids), owner, index * self._slot_pages, self._slot_pages,
+                group,
             )
             self._leases[index] = slot
             self._by_owner.setdefault(owner, set()).add(index)
@@ -189,8 +225,12 @@ class StagingBufferPool:
         *,
         on_wake: Callable[[], None] | None = None,
         wake_s: float = 0.05,
+        group: Hashable = None,
+        group_cap: int | None = None,
     ) -> StagingSlot:
-        """Lease a slot to ``owner``, waiting up to ``timeout`` s for one to be freed.
+        """Lease a slot to ``owner``, waiting up to ``timeout`` s for one to be freed (and,
+        with ``group``/``group_cap``, for the group to be under its cap: see
+        :meth:`try_acquire`).
 
         ``timeout=None`` (or ``inf``) waits until a slot is freed or the pool closes. Every
         wait is bounded by ``threading.TIMEOUT_MAX``. With ``on_wake``, the wait is cut into
@@ -210,7 +250,7 @@ class StagingBufferPool:
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:
-                slot = self.try_acquire(owner)
+                slot = self.try_acquire(owner, group=group, group_cap=group_cap)
                 if slot is not None:
                     return slot
                 remaining = deadline - time.monotonic()
@@ -223,13 +263,42 @@ class StagingBufferPool:
             if on_wake is not None:
                 on_wake()
 
-    def release(self, slot: StagingSlot) -> bool:
-        """Return a lease. ``True`` if it was live; a stale or repeated release does nothing.
+    def retire(self, slot: StagingSlot) -> bool:
+        """Stop counting a live lease against the pool, its owner and its group, without
+        freeing its memory: the slot is not reused until the lease is released (a removed
+        peer's write that NIXL may still read from it). A spare slot, if any is left, takes
+        its place among the free ones at once; otherwise the pool is one slot short until
+        the release. ``True`` if the lease was live and not yet retired.
 
         Thread-safe; write lock.
         """
         with self._lock.write():
-            freed = self._release_unlocked(slot.index, slot.lease)
+            live = self._leases.get(slot.index)
+            if live is None or live.lease != slot.lease:
+                return False
+            self._release_unlocked(slot.index, slot.lease, retire=True)
+        self._notify()
+        return True
+
+    def release(self, slot: StagingSlot) -> bool:
+        """Return a lease (live or retired). ``True`` if it was live; a stale or repeated
+        release does nothing.
+
+        Thread-safe; write lock.
+        """
+        with self._lock.write():
+            retired = self._retired.get(slot.index)
+            if retired is not None and retired.lease == slot.lease:
+                del self._retired[slot.index]
+                if self._short:  # it stands in for the capacity it took
+                    self._short -= 1
+                    self._free.append(slot.index)
+                else:
+                    self._spare.append(slot.index)
+                self._released += 1
+                freed = 1
+            else:
+                freed = self._release_unlocked(slot.index, slot.lease)
         if freed:
             self._notify()
         return bool(freed)
@@ -247,6 +316,18 @@ class StagingBufferPool:
         if freed:
             self._notify()
         return freed
+
+    def note_exhausted(self) -> None:
+        """Count one exhaustion that a caller waiting outside :meth:`acquire` saw (the
+        sender's workers retry :meth:`try_acquire` instead of waiting): ``stats().exhausted``
+        counts every wait that gave up. Thread-safe; write lock."""
+        with self._lock.write():
+            self._exhausted += 1
+
+    def group_slots(self, group: Hashable) -> int:
+        """How many slots ``group`` holds now. Thread-safe; read lock."""
+        with self._lock.read():
+            return self._by_group.get(group, 0)
 
     def owner_slots(self, owner: Hashable) -> int:
         """How many slots ``owner`` holds now. Thread-safe; read lock."""
@@ -275,6 +356,8 @@ class StagingBufferPool:
                 acquired=self._acquired,
                 released=self._released,
                 exhausted=self._exhausted,
+                retired=len(self._retired),
+                spare=len(self._spare),
             )
 
     # ------------------------------------------------------------------ gathering
@@ -319,7 +402,7 @@ class StagingBufferPool:
 
     # ------------------------------------------------------------------ internals
 
-    def _release_unlocked(self, index: int, lease: int) -> int:
+    def _release_unlocked(self, index: int, lease: int, *, retire: bool = False) -> int:
         live = self._leases.get(index)
         if live is None or live.lease != lease:
             return 0
@@ -328,8 +411,21 @@ class StagingBufferPool:
         owned.discard(index)
         if not owned:
             del self._by_owner[live.owner]
-        self._free.append(index)
-        self._released += 1
+        if live.group is not None:
+            left = self._by_group[live.group] - 1
+            if left:
+                self._by_group[live.group] = left
+            else:
+                del self._by_group[live.group]
+        if not retire:
+            self._free.append(index)
+            self._released += 1
+            return 1
+        self._retired[index] = live
+        if self._spare:
+            self._free.append(self._spare.pop())
+        else:
+            self._short += 1
         return 1
 
     def _notify(self) -> None:

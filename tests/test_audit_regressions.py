@@ -138,16 +138,18 @@ class ScriptedTransport:
 
 
 class SignallingPool(StagingBufferPool):
-    """A real staging pool that sets ``waiting`` when an ``acquire`` has to wait."""
+    """A real staging pool that sets ``waiting`` when a lease finds no free slot (a worker
+    then parks its chunk and tries again; an inline send waits in ``acquire``)."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.waiting = threading.Event()
 
-    def acquire(self, owner: Any, timeout: float | None = 1.0, **kw: Any) -> StagingSlot:
-        if self.stats().free == 0:
+    def try_acquire(self, owner: Any, **kw: Any) -> StagingSlot | None:
+        slot = super().try_acquire(owner, **kw)
+        if slot is None:
             self.waiting.set()
-        return super().acquire(owner, timeout, **kw)
+        return slot
 
 
 @dataclass
@@ -484,7 +486,7 @@ def test_d5_clear_never_raises_and_purges_all_under_lock_timeout(
     raised: list[BaseException] = []
     with KVManager(
         script, rig.kv, num_workers=0, staging=crowded_staging, staging_pool=pool,
-        transfer_timeout_s=20,
+        transfer_timeout_s=20, session_slots=n,
     ) as mgr, script:
         senders = [sender(mgr, 100 + i, [i]) for i in range(n)]
         for s in senders:

@@ -89,6 +89,7 @@ class ProgressRig:
             num_workers=0,
             staging=StagingContext(lock="mutex"),
             staging_pool=self.pool,
+            session_slots=2,  # both chunks hold a slot at once
         )
         self.sender = NixlKVSender(self.mgr, ROOM, ["d0"], [make_transfer_info("d0", range(4))])
         self.sender.init(4)

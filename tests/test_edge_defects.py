@@ -252,8 +252,8 @@ def test_d2_chunk_index_bound(rig: Rig) -> None:
 
 
 class GatedPool(StagingBufferPool):
-    """A real pool whose first ``acquire`` waits until ``gate`` is set (the one worker is
-    then busy with that chunk while the test purges other rooms' queued chunks)."""
+    """A real pool whose first lease waits until ``gate`` is set (the one worker is then
+    busy with that chunk while the test purges other rooms' queued chunks)."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -261,12 +261,12 @@ class GatedPool(StagingBufferPool):
         self.entered = threading.Event()
         self._first = True
 
-    def acquire(self, owner: Any, timeout: float | None = 1.0, **kw: Any) -> StagingSlot:
+    def try_acquire(self, owner: Any, **kw: Any) -> StagingSlot | None:
         if self._first:
             self._first = False
             self.entered.set()
             assert self.gate.wait(30)
-        return super().acquire(owner, timeout, **kw)
+        return super().try_acquire(owner, **kw)
 
 
 @pytest.mark.timeout(60)
@@ -280,7 +280,7 @@ def test_d3_listener_sees_skipped_and_slot_failed_chunks(rig: Rig) -> None:
                    slot_timeout_s=0.05) as mgr:
         first = one_session_sender(mgr, 1, [0, 1, 2, 3])
         first.send([10, 11, 12, 13])
-        assert pool.entered.wait(10)  # the one worker waits in acquire: queued units wait
+        assert pool.entered.wait(10)  # the one worker waits in its lease: queued units wait
         second = two_session_sender(mgr, 2, 4)
         second.send([20, 21, 22, 23])  # 2 units queued behind the gate
         second.clear()  # purged before they run: both are skipped

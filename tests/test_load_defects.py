@@ -62,16 +62,18 @@ def threads_named(prefix: str) -> list[threading.Thread]:
 
 
 class SignallingPool(StagingBufferPool):
-    """A real staging pool that sets ``waiting`` when an ``acquire`` finds no free slot."""
+    """A real staging pool that sets ``waiting`` when a lease finds no free slot (a worker
+    then parks its chunk and tries again; an inline send waits in ``acquire``)."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.waiting = threading.Event()
 
-    def acquire(self, owner: Any, timeout: float | None = 1.0, **kw: Any) -> Any:
-        if self.stats().free == 0:
+    def try_acquire(self, owner: Any, **kw: Any) -> Any:
+        slot = super().try_acquire(owner, **kw)
+        if slot is None:
             self.waiting.set()
-        return super().acquire(owner, timeout, **kw)
+        return slot
 
 
 @pytest.fixture

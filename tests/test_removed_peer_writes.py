@@ -99,8 +99,9 @@ def test_a_removed_peers_write_in_flight_drains_only_once_nixl_settles_it(
         assert isinstance(failed.value, PeerNotFoundError), repr(failed.value)
         assert isinstance(failed.value, TRANSPORT_ERRORS)
         assert tx.stats().transfers_kept_at_removal == 1
-        if pool is not None:
-            assert pool.stats().in_use == 1, "the kept write's staging slot was given back"
+        if pool is not None:  # held, or retired (not reused, no longer counted as in use)
+            st = pool.stats()
+            assert st.in_use + st.retired == 1, f"the kept write's slot was given back: {st}"
         peer.cont()
         assert mgr.wait_drained(room.handle, 60), "the settled write never ended"
         assert peer.page_digest([9]) == sender_pool.digests([5])

@@ -154,9 +154,9 @@ def test_every_chunk_ends_once_on_every_end_path_including_close_abandon(
                 s.init(2)
                 s.send([2 * i, 2 * i + 1])
                 senders.append(s)
-            # Each worker polls the chunk it posted until it ends: `workers` are in flight,
-            # the rest wait in the queue (and are skipped once their rooms are cleared).
-            posted = 12 if workers == 0 else workers
+            # Every chunk is posted: a worker does not wait on one chunk before it takes
+            # the next unit (inline, each send posts its own).
+            posted = 12
             if not running:
                 assert _wait(lambda m=mgr, n=posted: m.stats().transfers_inflight >= n, 30)
             for s in senders:
@@ -200,7 +200,9 @@ def test_every_chunk_ends_once_on_every_end_path_including_close_abandon(
             sys.setswitchinterval(old)
             assert not any(t.is_alive() for t in pollers)
             assert errors == [], errors
-            # The peer resumed above: the abandoned writes may land now.
+            # The peer resumed above: the abandoned writes land now, and the ones NIXL still
+            # had in progress at close() (kept, still draining) end once it settles them.
+            assert mgr.wait_drained(None, 30), mgr.stats()
             assert _wait(lambda: sender_pool.transport.stats().live_transfers == 0, 30)
             assert tx.ledger.double_released == [], tx.ledger.double_released
             for s in senders:

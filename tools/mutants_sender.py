@@ -104,11 +104,9 @@ MUTANTS: tuple[Mutant, ...] = (
         id="d4-worker-catches-too-little",
         file=PIPELINE,
         original="""\
-            except BaseException as exc:  # a worker never dies: the room fails instead
-                self.rooms.internal_error(unit[0], exc, chunk_ends=False)""",
+            except BaseException as exc:  # a worker never dies: the room fails instead""",
         replacement="""\
-            except (KeyError, ValueError) as exc:  # MUTANT: other errors kill the worker
-                self.rooms.internal_error(unit[0], exc, chunk_ends=False)""",
+            except (KeyError, ValueError) as exc:  # MUTANT: other errors kill the worker""",
         kind="lifecycle",
         description="defect 4: an error raised while a worker handles a transport error "
         "escapes its loop: the worker thread dies and queued chunks are never processed",
@@ -313,9 +311,10 @@ MUTANTS: tuple[Mutant, ...] = (
         id="sweep-only-when-idle",
         file=PIPELINE,
         original="""\
-        self.maybe_sweep()  # the busy path's sweep""",
+            self.maybe_sweep()  # every iteration, busy or idle""",
         replacement="""\
-        pass  # MUTANT: hung chunks are swept only when a worker's queue stays empty""",
+            if isinstance(unit, _Idle) and pause >= HUNG_SWEEP_S:  # MUTANT: idle only
+                self.maybe_sweep()""",
         kind="race",
         description="a worker sweeps hung chunks only when its queue stays empty for 50 ms "
         "(the audited shape): under steady traffic a settled hung chunk keeps its slot",
@@ -350,9 +349,11 @@ MUTANTS: tuple[Mutant, ...] = (
         id="e25-inline-slot-wait-only-sweeps",
         file=PIPELINE,
         original="""\
-            else (self._end_slot_holders, INLINE_SLOT_POLL_S)""",
+            self._end_slot_holders()
+            self._give_up_if_slots_all_hung(session)""",
         replacement="""\
-            else (self.maybe_sweep, HUNG_SWEEP_S)  # MUTANT: nobody ends the slot holders""",
+            self.maybe_sweep()  # MUTANT: nobody ends the slot holders
+            self._give_up_if_slots_all_hung(session)""",
         kind="sequential",
         description="issue 25 defect 1: an inline send waiting for a slot only sweeps hung "
         "chunks; its own completed writes hold the slots until slot_timeout_s fails the room",
@@ -403,15 +404,15 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="e25-close-does-not-wake",
-        file="sender/manager.py",
+        file=PIPELINE,
         original="""\
-        pipeline.wake_workers()
-""",
+                return self._queue.get(timeout=bounded_wait(pause_s))""",
         replacement="""\
-        pass  # MUTANT: a worker pausing poll_interval_s outsleeps close()'s join
-""",
+                time.sleep(pause_s)  # MUTANT: a long pause is not ended by close()'s stop
+                return self._queue.get_nowait()""",
         kind="lifecycle",
-        description="issue 25 suspicion: close() does not wake workers pausing between polls: "
+        description="issue 25 suspicion: a worker's long pause between polls is a sleep, not a "
+        "wait on its queue: "
         "a poll_interval_s longer than its join makes close() raise",
         tests=(f"{EDGE}::test_s_long_poll_interval_does_not_fail_close",),
     ),

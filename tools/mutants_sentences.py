@@ -23,14 +23,12 @@ MUTANTS: tuple[Mutant, ...] = (
         id="slot-wait-ignores-hung-holders",
         file="sender/pipeline.py",
         original="""\
-                    chunk.slot = slot if slot is not None else pool.acquire(
-                        handle, self.slot_timeout_s, on_wake=on_wake, wake_s=wake_s
-                    )
+                parked_at = now
+            self._give_up_if_slots_all_hung(chunk.session_id)
 """,
         replacement="""\
-                    chunk.slot = slot if slot is not None else pool.acquire(
-                        handle, self.slot_timeout_s, on_wake=sweep, wake_s=wake_s
-                    )  # MUTANT: the wait itself never asks whether only hung chunks hold slots
+                parked_at = now
+                self._give_up_if_slots_all_hung(chunk.session_id)  # MUTANT: first try only
 """,
         kind="race",
         description="only the check before a slot wait gives up when hung chunks hold every "
@@ -270,10 +268,10 @@ MUTANTS: tuple[Mutant, ...] = (
         id="kept-write-ends-its-chunk-at-once",
         file="sender/pipeline.py",
         original="""\
-        except (TransferTimeoutError, PeerNotFoundError) as exc:
+            if isinstance(exc, FAILED_BY_US):
 """,
         replacement="""\
-        except TransferTimeoutError as exc:  # MUTANT: a kept write's failure ends the chunk
+            if isinstance(exc, TransferTimeoutError):  # MUTANT: a kept write's failure ends it
 """,
         kind="sequential",
         description="the manager ends a chunk whose write remove_peer kept as soon as a poll "
