@@ -21,8 +21,9 @@ import traceback
 from collections.abc import Sequence
 from typing import TextIO
 
-from bench._harness import BenchResult, JSONValue, environment, format_environment
+from bench._harness import BenchResult, JSONValue
 from bench._registry import BENCHMARKS, BY_NAME, BenchSpec
+from stress.environment import environment, format_environment
 
 
 def _parser() -> argparse.ArgumentParser:

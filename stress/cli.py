@@ -10,6 +10,9 @@ worker's random choices (``StressConfig.rng``). It does not fix the thread sched
 the OS and the GIL decide, so two runs with one seed do different numbers of operations
 (e.g. 97,280 and 68,342) and may interleave differently. On a FAIL the report ends with the
 exact command line that replays the failed scenarios with the same seed and options.
+The environment follows it (versions of nixl-staging, Python, torch, nixl and the machine:
+:mod:`stress.environment`, as ``python -m bench`` prints it), and ``--json`` records it;
+``--version`` prints the versions alone, on a core install too.
 
 Nothing touches the host's network unless asked: a scenario that creates network namespaces,
 veth pairs and ``tc`` shaping (``two-hosts``, which also needs root) runs only when it is
@@ -30,6 +33,7 @@ import sys
 from collections.abc import Sequence
 
 from stress import metrics_sink
+from stress.environment import environment, format_environment, versions
 from stress.framework import (
     QUICK_DURATION_S,
     Scenario,
@@ -192,8 +196,21 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
         help="also run the scenarios that change this host's network (two-hosts: network "
         "namespaces, veth pairs, tc shaping; needs root); naming one runs it too",
     )  # fmt: skip
+    parser.add_argument(
+        "--version", action="version", version=version_text(),
+        help="print the versions of nixl-staging, Python, torch and nixl and exit",
+    )  # fmt: skip
     parser.add_argument("--plant-bug", default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def version_text() -> str:
+    """What ``--version`` prints: ``nixl-staging X`` then one line per dependency version
+    (``not installed`` for one that is missing, e.g. torch and nixl without the ``sender``
+    extra). Imports none of them. Raises nothing."""
+    found = versions()
+    own = found.pop("nixl-staging")
+    return f"nixl-staging {own}\n{format_environment(found)}"
 
 
 def config_from_args(args: argparse.Namespace, seed: int) -> StressConfig:
@@ -251,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     config = config_from_args(args, seed)
     print(f"seed: {seed}", flush=True)
+    env = environment()
+    print("environment:\n" + format_environment(env), flush=True)
     for name, why in skipped.items():
         print(f"note: skipping scenario {name!r}: it {why}", flush=True)
     for name in left_out:
@@ -321,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif skips and args.require_all:
         print(f"--require-all: {len(skips)} scenario(s) skipped: exit {EXIT_SKIPPED}", flush=True)
     if args.json:
-        write_json(args.json, config, results)
+        write_json(args.json, config, results, env)
     if args.metrics:
         exposition = metrics_sink.exposition()
         if exposition is not None:
