@@ -31,8 +31,9 @@ import dataclasses
 import random
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from stress import metrics_sink
+from stress import metrics_sink, plots
 from stress.environment import environment, format_environment, versions
 from stress.framework import (
     QUICK_DURATION_S,
@@ -161,6 +162,12 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
     parser.add_argument(
+        "--plot", metavar="DIR", default=None,
+        help="write PNG pictures of the run to DIR (stress-latency.png: each scenario's "
+        "per-room latency distribution, healthy and faulted rooms or phases apart); needs "
+        "the 'plots' extra (matplotlib)",
+    )  # fmt: skip
+    parser.add_argument(
         "--metrics", metavar="PATH", default=None,
         help="write the sender scenarios' Prometheus metrics (text exposition: rooms by "
         "outcome and reason, latency histograms, the last manager's counters) to PATH at the "
@@ -265,6 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             chosen = {n: s for n, s in chosen.items() if n not in left_out}
     elif args.two_hosts:
         chosen |= {n: s for n, s in registered().items() if touches_host_network(s)}
+    if args.plot is not None:
+        why_not = plots.unavailable()
+        if why_not is not None:
+            parser.exit(2, f"{parser.prog}: error: {why_not}\n")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     config = config_from_args(args, seed)
     print(f"seed: {seed}", flush=True)
@@ -341,6 +352,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--require-all: {len(skips)} scenario(s) skipped: exit {EXIT_SKIPPED}", flush=True)
     if args.json:
         write_json(args.json, config, results, env)
+    if args.plot is not None:
+        mode = "--quick, " if config.quick else ""
+        heading = f"{mode}seed {seed}, nixl-staging {env['nixl-staging']}"
+        for path in plots.stress_latencies(results, Path(args.plot), title=heading):
+            print(f"plot: {path}", flush=True)
     if args.metrics:
         exposition = metrics_sink.exposition()
         if exposition is not None:
