@@ -75,7 +75,7 @@ def curves_png(result: BenchResult, directory: Path) -> Path:
         OSError: the picture cannot be written.
     """
     plt = pyplot()
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig, axes = plt.subplots(2, 3, figsize=(17.5, 8.5))
     workers = sorted({w for w in (r.get("workers") for r in result.rows) if isinstance(w, int)})
     for col, (axis, xlabel) in enumerate(CURVE_AXES):
         for row_i, (suffix, what) in enumerate(((" µs", "wall"), (" cpu", "process CPU"))):
@@ -105,7 +105,10 @@ def curves_png(result: BenchResult, directory: Path) -> Path:
             ax.set_ylabel(f"{what} time per room (µs, log scale)")
             ax.grid(True, which="both", alpha=0.3)
             ax.set_title(f"{axis}: {what} µs per room", fontsize=11)
-            ax.legend(fontsize=8, handlelength=3.5)
+            if axis == "rooms":  # many lines: the legend goes beside the panel
+                ax.legend(fontsize=8, handlelength=3.5, loc="upper left", bbox_to_anchor=(1.01, 1))
+            else:
+                ax.legend(fontsize=8, handlelength=3.5)
     rounds = result.params.get("rounds")
     fig.suptitle(
         "curves: per-room cost of the sender vs bare NIXL as a room grows "
