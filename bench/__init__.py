@@ -4,7 +4,8 @@ Every benchmark measures its variants side by side in one run (rounds interleave
 medians, ratios and goal lines, and asserts nothing: speed is reported, never tested.
 
 * ``bench._harness`` -- result objects (:class:`~bench._harness.BenchResult`), interleaved
-  median-of-rounds timing, tables, the environment block.
+  median-of-rounds timing, tables (the environment block, versions included, is
+  :mod:`stress.environment`'s, shared with the stress report).
 * ``bench._registry`` -- the registered benchmarks, by name, in run order.
 * ``bench.purge_scaling``, ``bench.lifecycle`` -- benchmarks 1 and 2.
 * ``bench.transfer_share``, ``bench.throughput``, ``bench.curves``, ``bench.stress_rooms`` --

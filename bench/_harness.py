@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import gc
 import math
-import os
-import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Literal
 
 Cell = str | int | float | None
@@ -307,42 +303,3 @@ def format_table(columns: Sequence[str], rows: Sequence[Mapping[str, Cell]]) -> 
     out = [line(list(columns)), line(["-" * w for w in widths])]
     out.extend(line(r) for r in text)
     return "\n".join(out)
-
-
-# ---------------------------------------------------------------------------- environment
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def environment() -> dict[str, str]:
-    """Versions and machine facts, read without importing torch or nixl (both are slow or noisy
-    to import)."""
-    try:
-        usable = str(len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        usable = "?"
-    gil_check = getattr(sys, "_is_gil_enabled", None)
-    gil = "enabled" if gil_check is None or gil_check() else "disabled"
-    return {
-        "python": f"{platform.python_version()} ({platform.python_implementation()})",
-        "torch": _version("torch"),
-        "nixl": _version("nixl"),
-        "readerwriterlock": _version("readerwriterlock"),
-        "numpy": _version("numpy"),
-        "cores": f"{os.cpu_count()} ({usable} usable)",
-        "platform": platform.platform(),
-        "gil": gil,
-        "switch_interval_s": f"{sys.getswitchinterval():g}",
-        "NIXL_STAGING_DEBUG_LOCKS": os.environ.get("NIXL_STAGING_DEBUG_LOCKS", "(unset)"),
-    }
-
-
-def format_environment(env: Mapping[str, str]) -> str:
-    """One line per fact, aligned."""
-    width = max(len(k) for k in env)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in env.items())

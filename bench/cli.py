@@ -1,13 +1,14 @@
-"""``python -m bench [NAMES ...] [--quick] [--two-hosts] [--json PATH] [--list]``.
+"""``python -m bench [NAMES ...] [--quick] [--two-hosts] [--json PATH] [--plot DIR] [--list]``.
 
 A benchmark that changes this host's network (``two-hosts``: network namespaces, veth pairs,
 ``tc`` shaping; needs root) runs only when it is named or ``--two-hosts`` is given; ``make
 bench`` and ``make bench-quick`` pass it.
 
 Prints the environment once, then each benchmark's table of medians, its ratios and its goal
-lines, then a one-line-per-benchmark summary. Exit status: 0 when every selected benchmark
-ran (whether or not its goals were met: speed is reported, never asserted), 1 when one
-raised, 2 for a usage error.
+lines, then a one-line-per-benchmark summary. ``--plot DIR`` draws the pictures of
+:mod:`bench.plots` (the ``plots`` extra: without matplotlib it fails at once, in one line).
+Exit status: 0 when every selected benchmark ran (whether or not its goals were met: speed
+is reported, never asserted), 1 when one raised, 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
-from bench._harness import BenchResult, JSONValue, environment, format_environment
+from bench import plots as bench_plots
+from bench._harness import BenchResult, JSONValue
 from bench._registry import BENCHMARKS, BY_NAME, BenchSpec
+from stress import plots
+from stress.environment import environment, format_environment
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
         "namespaces, veth pairs, tc shaping; needs root); naming one runs it too",
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write all results as JSON here")
+    parser.add_argument(
+        "--plot", metavar="DIR",
+        help="also draw PNG pictures into DIR (curves: per-room cost curves; throughput: "
+        "GB/s and CPU per GB by way of writing); needs the 'plots' extra (matplotlib)",
+    )  # fmt: skip
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     return parser
 
@@ -103,6 +113,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             print(f"{spec.name:<16} {spec.summary}", file=stream)
         return 0
     specs = _select(parser, args.names, args.two_hosts)
+    if args.plot is not None:
+        why_not = plots.unavailable()
+        if why_not is not None:
+            parser.exit(2, f"{parser.prog}: error: {why_not}\n")
     quick = bool(args.quick)
     env = environment()
     mode = "quick" if quick else "full"
@@ -137,4 +151,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             json.dump(doc, fh, indent=2)
             fh.write("\n")
         print(f"wrote {args.json}", file=stream)
+    if args.plot is not None:
+        for path in bench_plots.plot_results(results, Path(args.plot)):
+            print(f"plot: {path}", file=stream)
     return 1 if any(r.status == "error" for r in results) else 0

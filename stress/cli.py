@@ -10,6 +10,9 @@ worker's random choices (``StressConfig.rng``). It does not fix the thread sched
 the OS and the GIL decide, so two runs with one seed do different numbers of operations
 (e.g. 97,280 and 68,342) and may interleave differently. On a FAIL the report ends with the
 exact command line that replays the failed scenarios with the same seed and options.
+The environment follows it (versions of nixl-staging, Python, torch, nixl and the machine:
+:mod:`stress.environment`, as ``python -m bench`` prints it), and ``--json`` records it;
+``--version`` prints the versions alone, on a core install too.
 
 Nothing touches the host's network unless asked: a scenario that creates network namespaces,
 veth pairs and ``tc`` shaping (``two-hosts``, which also needs root) runs only when it is
@@ -28,8 +31,10 @@ import dataclasses
 import random
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from stress import metrics_sink
+from stress import metrics_sink, plots
+from stress.environment import environment, format_environment, versions
 from stress.framework import (
     QUICK_DURATION_S,
     Scenario,
@@ -157,6 +162,12 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
     parser.add_argument(
+        "--plot", metavar="DIR", default=None,
+        help="write PNG pictures of the run to DIR (stress-latency.png: each scenario's "
+        "per-room latency distribution, healthy and faulted rooms or phases apart); needs "
+        "the 'plots' extra (matplotlib)",
+    )  # fmt: skip
+    parser.add_argument(
         "--metrics", metavar="PATH", default=None,
         help="write the sender scenarios' Prometheus metrics (text exposition: rooms by "
         "outcome and reason, latency histograms, the last manager's counters) to PATH at the "
@@ -192,8 +203,21 @@ def build_parser(*, list_scenarios: bool = True) -> argparse.ArgumentParser:
         help="also run the scenarios that change this host's network (two-hosts: network "
         "namespaces, veth pairs, tc shaping; needs root); naming one runs it too",
     )  # fmt: skip
+    parser.add_argument(
+        "--version", action="version", version=version_text(),
+        help="print the versions of nixl-staging, Python, torch and nixl and exit",
+    )  # fmt: skip
     parser.add_argument("--plant-bug", default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def version_text() -> str:
+    """What ``--version`` prints: ``nixl-staging X`` then one line per dependency version
+    (``not installed`` for one that is missing, e.g. torch and nixl without the ``sender``
+    extra). Imports none of them. Raises nothing."""
+    found = versions()
+    own = found.pop("nixl-staging")
+    return f"nixl-staging {own}\n{format_environment(found)}"
 
 
 def config_from_args(args: argparse.Namespace, seed: int) -> StressConfig:
@@ -248,9 +272,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             chosen = {n: s for n, s in chosen.items() if n not in left_out}
     elif args.two_hosts:
         chosen |= {n: s for n, s in registered().items() if touches_host_network(s)}
+    if args.plot is not None:
+        why_not = plots.unavailable()
+        if why_not is not None:
+            parser.exit(2, f"{parser.prog}: error: {why_not}\n")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     config = config_from_args(args, seed)
     print(f"seed: {seed}", flush=True)
+    env = environment()
+    print("environment:\n" + format_environment(env), flush=True)
     for name, why in skipped.items():
         print(f"note: skipping scenario {name!r}: it {why}", flush=True)
     for name in left_out:
@@ -321,7 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif skips and args.require_all:
         print(f"--require-all: {len(skips)} scenario(s) skipped: exit {EXIT_SKIPPED}", flush=True)
     if args.json:
-        write_json(args.json, config, results)
+        write_json(args.json, config, results, env)
+    if args.plot is not None:
+        mode = "--quick, " if config.quick else ""
+        heading = f"{mode}seed {seed}, nixl-staging {env['nixl-staging']}"
+        for path in plots.stress_latencies(results, Path(args.plot), title=heading):
+            print(f"plot: {path}", flush=True)
     if args.metrics:
         exposition = metrics_sink.exposition()
         if exposition is not None:

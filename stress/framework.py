@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Protocol
 
@@ -312,6 +312,7 @@ class Monitor:
         self._counters: list[WorkerCounters] = []
         self._threads: list[threading.Thread] = []
         self._latencies: list[float] = []
+        self._groups: list[str] = []  # the group of each latency, in step with _latencies
         self._deadlocked = False
         self._reported_alive: set[str] = set()
         self._native: NativeLines | None = None
@@ -343,15 +344,29 @@ class Monitor:
             sum(c.faults for c in counters),
         )
 
-    def latency(self, seconds: float) -> None:
-        """Record one room-lifecycle latency."""
+    def latency(self, seconds: float, group: str = "") -> None:
+        """Record one room-lifecycle latency; ``group`` names the part of the run or the kind
+        of room it belongs to (e.g. ``"during a peer fault, failed"``; ``""``: the scenario's
+        rooms as a whole), kept for the latency pictures (``--plot``). Any thread. Raises:
+        nothing."""
         with self._lock:
             self._latencies.append(seconds)
+            self._groups.append(group)
 
     def latencies(self) -> list[float]:
         """A copy of the recorded latencies, in seconds."""
         with self._lock:
             return list(self._latencies)
+
+    def latency_groups(self) -> dict[str, tuple[float, ...]]:
+        """The recorded latencies in seconds by group (:meth:`latency`), groups in the order
+        they were first seen. Raises: nothing."""
+        with self._lock:
+            pairs = list(zip(self._groups, self._latencies, strict=True))
+        grouped: dict[str, list[float]] = {}
+        for group, seconds in pairs:
+            grouped.setdefault(group, []).append(seconds)
+        return {group: tuple(values) for group, values in grouped.items()}
 
     def native_lines(self, lines: NativeLines) -> None:
         """Add NIXL/UCX lines counted elsewhere (e.g. in a child process's own stderr file)
@@ -614,6 +629,21 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 # ---------------------------------------------------------------------------- results
 
 
+def latency_summary(groups: Mapping[str, Sequence[float]]) -> dict[str, JSONValue]:
+    """Per group of latencies in seconds: ``n`` and ``p50_ms``/``p99_ms``/``max_ms``
+    (nearest rank). Raises: nothing."""
+    out: dict[str, JSONValue] = {}
+    for group, values in groups.items():
+        p50, p99 = percentile(values, 50), percentile(values, 99)
+        out[group] = {
+            "n": len(values),
+            "p50_ms": None if p50 is None else round(p50 * 1e3, 3),
+            "p99_ms": None if p99 is None else round(p99 * 1e3, 3),
+            "max_ms": round(max(values) * 1e3, 3) if values else None,
+        }
+    return out
+
+
 def counted_json(lines: NativeLines | None) -> dict[str, JSONValue] | None:
     """Counted lines (NIXL/UCX lines, log records) as ``{"counts": ..., "examples": ...}``,
     or ``None`` when not captured."""
@@ -654,6 +684,9 @@ class ScenarioResult:
     sender_log: LogCounts | None = None
     """The library's own log records during the run, by kind (``None``: not captured;
     :mod:`stress.sender_log`)."""
+    latency_groups: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    """Every recorded room latency in seconds, by group (:meth:`Monitor.latency`): what the
+    latency pictures plot (``--plot``); ``--json`` has each group's count and percentiles."""
 
     @property
     def ok(self) -> bool:
@@ -722,6 +755,7 @@ class ScenarioResult:
             },
             "native_stderr": counted_json(self.native),
             "sender_log": counted_json(self.sender_log),
+            "latency_groups": latency_summary(self.latency_groups),
             "extra": self.extra,
         }
 
@@ -937,6 +971,7 @@ def run_scenario(
         run_s=None if skipped is not None else run_s,
         skipped=skipped,
         native=lines,
+        latency_groups=monitor.latency_groups(),
     )
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 
+from stress.environment import environment
 from stress.framework import JSONValue, ScenarioResult, StressConfig
 from stress.invariants import DESCRIPTIONS
 from stress.native_stderr import CLASSES, NativeLines
@@ -253,8 +254,14 @@ def _summed(spans: Sequence[NativeLines | None]) -> dict[str, JSONValue]:
     return total
 
 
-def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[str, JSONValue]:
-    """The whole run as one JSON-ready dict."""
+def document(
+    config: StressConfig,
+    results: Sequence[ScenarioResult],
+    env: Mapping[str, str] | None = None,
+) -> dict[str, JSONValue]:
+    """The whole run as one JSON-ready dict; ``"environment"`` holds ``env`` (default: read
+    now by :func:`stress.environment.environment`: nixl-staging, Python, torch, nixl
+    versions and the machine). Raises nothing."""
     totals: dict[str, JSONValue] = {}
     for r in results:
         for inv in r.invariants:
@@ -266,6 +273,7 @@ def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[st
     return {
         "seed": config.seed,
         "ok": all(r.ok for r in results),
+        "environment": dict(environment() if env is None else env),
         "skipped": {r.name: r.skipped for r in results if r.skipped is not None},
         "replay": replay_command(config, failed) if failed else None,
         "config": config.to_json(),
@@ -276,7 +284,13 @@ def document(config: StressConfig, results: Sequence[ScenarioResult]) -> dict[st
     }
 
 
-def write_json(path: str | Path, config: StressConfig, results: Sequence[ScenarioResult]) -> None:
-    """Write :func:`document` to ``path`` (indented, trailing newline)."""
-    text = json.dumps(document(config, results), indent=2, sort_keys=False)
+def write_json(
+    path: str | Path,
+    config: StressConfig,
+    results: Sequence[ScenarioResult],
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Write :func:`document` to ``path`` (indented, trailing newline). Raises ``OSError``
+    when ``path`` cannot be written."""
+    text = json.dumps(document(config, results, env), indent=2, sort_keys=False)
     Path(path).write_text(text + "\n", encoding="utf-8")

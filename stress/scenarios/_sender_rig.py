@@ -277,6 +277,13 @@ class NoticeTracker:
         with self._lock:
             interval[1] = end
 
+    def overlaps_fault(self, session_id: str, start: float, end: float) -> bool:
+        """Whether a fault of ``session_id`` (:meth:`fault`) overlapped ``[start, end]``
+        (``time.monotonic()`` seconds). Any thread. Raises: nothing."""
+        with self._lock:
+            spans = [tuple(span) for span in self._faults.get(session_id, ())]
+        return any(begin <= end and start <= until for begin, until in spans)
+
     def harvest(self, session_id: str, peer: PeerProcess) -> bool:
         """Fetch what ``peer`` learnt since the last harvest. ``False`` when it did not
         answer (or is gone). Never raises."""
@@ -704,6 +711,9 @@ class SenderRig:
         self._waits_lock = threading.Lock()
         self._waits: list[tuple[int, float, float]] = []
         self.rooms_used: list[int] = []
+        self.phase = ""
+        """The part of the run now on (set by a scenario with phases): names the group of
+        the rooms' latencies (:meth:`latency_group`); ``""``: none."""
         self.next_room = 0
         self.notices = NoticeTracker()
         # When each manager of the rig concluded each opening (the sender's time, not the
@@ -901,6 +911,17 @@ class SenderRig:
 
         return run
 
+    def latency_group(self, o: RoomOutcome) -> str:
+        """The group of a room's latency (:meth:`Monitor.latency`, for the latency
+        pictures): the phase now on, else whether a fault of its session's peer overlapped
+        the room's life, and how it ended. Raises: nothing."""
+        if self.phase:
+            return self.phase
+        faulted = self.notices.overlaps_fault(o.session_id, o.started_at, o.concluded_at)
+        when = "during a peer fault" if faulted else "no peer fault"
+        ended = "succeeded" if o.status is KVPoll.Success else "failed"
+        return f"{when}, {ended}"
+
     def _account(
         self,
         monitor: Monitor,
@@ -922,7 +943,7 @@ class SenderRig:
             self.rooms_used.append(o.room)
             counters.rooms += 1
             counters.ops += self.config.chunks
-            monitor.latency(o.latency_s)
+            monitor.latency(o.latency_s, self.latency_group(o))
             if o.status is KVPoll.Success:
                 self.stats.succeeded += 1
                 if o.verified is False:

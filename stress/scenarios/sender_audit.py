@@ -654,6 +654,7 @@ class SenderAudit:
                 before = dataclasses.asdict(rig.stats)
                 before["told_mark"] = rig.notices.mark()
                 t0 = time.monotonic()
+                rig.phase = phase  # names the group of this phase's room latencies
                 steps[phase](phase, index, seconds)
                 run.finish(phase, before)
                 run.extra[f"{phase}:wall_s"] = round(time.monotonic() - t0, 2)
