@@ -47,3 +47,15 @@ def test_readme_end_to_end_headline_is_typical_with_spread_and_command() -> None
     assert "425" not in row or "outlier" in row
     perf = (README.parent / "docs" / "PERFORMANCE.md").read_text(encoding="utf-8")
     assert "303\u2013319 in three runs" in perf and "outlier" in perf
+
+
+def test_readme_sglang_install_command_works_before_publication() -> None:
+    """"Using it with SGLang" began with `pip install nixl-staging`, which finds nothing
+    (not published): its first command installs from a clone, as "Install" says."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Using it with SGLang") : text.index("## Install")]
+    match = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert match
+    first = match.group(1).splitlines()[0]
+    assert first.startswith("pip install ./nixl-staging"), first
+    assert "pip install nixl-staging " not in section.replace("`", " ")
