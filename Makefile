@@ -48,11 +48,15 @@ stress: $(STAMP)
 stress-quick: $(STAMP)
 	$(PY) -m stress --quick --two-hosts
 
+BENCH_GOALS_NOTE = @echo "Goals are reported, never asserted (exit 0 whatever they say). A NOT MET goal marked 'open by design' is a documented gap: docs/PERFORMANCE.md, \"Open goals\"; one marked 'not a known gap' missed in this run only."
+
 bench: $(STAMP)
 	$(PY) -m bench --two-hosts
+	$(BENCH_GOALS_NOTE)
 
 bench-quick: $(STAMP)
 	$(PY) -m bench --quick --two-hosts
+	$(BENCH_GOALS_NOTE)
 
 # Per-room cost curves vs bare NIXL (~1 min; its --quick preset is part of bench-quick).
 bench-curves: $(STAMP)

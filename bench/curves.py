@@ -678,6 +678,7 @@ def _report(
             f"notifications NIXL's write costs "
             f"{median(samples[base.label('bare')]) / BASE_CHUNKS:.1f} µs: no-op/bare "
             f"{_fmt(noop_vs_bare, 'x')}); sender/bare {_fmt(snd_vs_bare, 'x')}",
+            "a chunk's bookkeeping is about one NIXL call's cost, 1.10x in the documented run",
         ),
     ]
     notes = [

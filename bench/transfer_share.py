@@ -534,6 +534,8 @@ def _report(
             f"path){' (the next step)' if pct == NEXT_GOAL_SHARE_PCT else ''}",
             worst <= pct,
             f"worst {worst:.1f} %: {detail}",
+            "the sender's Python calls per chunk; what was tried is in PERFORMANCE.md's "
+            '"Decisions"',
         )
         for pct in (GOAL_SHARE_PCT, NEXT_GOAL_SHARE_PCT)
     ]

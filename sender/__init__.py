@@ -1,9 +1,10 @@
 """NIXL KV sender: transport, manager and per-room sender (see docs/THREADING.md).
 
-The sender needs the ``sender`` extra (torch, numpy and nixl):
-``pip install 'nixl-staging[sender]'``. The core install (the staging layer) does not bring
-them; without them, importing this package raises :class:`ModuleNotFoundError` whose message is
-one line naming the extra, before any submodule fails on its own imports.
+The sender needs the ``sender`` extra (torch, numpy and nixl): ``pip install '.[sender]'``
+in a clone of nixl-staging (not on a package index yet). The core install (the staging
+layer) does not bring them; without them, importing this package raises
+:class:`ModuleNotFoundError` whose message is one line naming the extra and that command,
+before any submodule fails on its own imports.
 
 The names a sender needs are importable from here (``from sender import KVManager,
 NixlKVSender, KVPoll, NixlTransport, make_transfer_info``); each is imported from its module
@@ -16,7 +17,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from staging._version import __version__
+from staging._version import __version__, install_extra_hint
 
 if TYPE_CHECKING:
     from sender.errors import (
@@ -109,6 +110,6 @@ _missing = [
 if _missing:
     raise ModuleNotFoundError(
         f"the sender needs the 'sender' extra (missing: {', '.join(_missing)}): "
-        "pip install 'nixl-staging[sender]'",
+        + install_extra_hint("sender"),
         name=_missing[0],
     )

@@ -35,13 +35,15 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
+from staging._version import install_extra_hint
+
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 except ModuleNotFoundError as _exc:  # the core install and the sender extra lack it
     raise ModuleNotFoundError(
         "sender.metrics needs the 'metrics' extra (no module 'prometheus_client'): "
-        "pip install 'nixl-staging[metrics]'",
+        + install_extra_hint("metrics"),
         name="prometheus_client",
     ) from _exc
 

@@ -23,3 +23,13 @@ def read_version(distribution: str = DISTRIBUTION) -> str:
 
 
 __version__ = read_version()
+
+
+def install_extra_hint(extra: str) -> str:
+    """The command that installs ``extra`` today, for an error message: nixl-staging is not
+    on a package index yet, so ``pip install 'nixl-staging[extra]'`` finds nothing; it is
+    installed from a clone (README, "Install"). Raises: nothing."""
+    return (
+        f"pip install '.[{extra}]' in a clone of nixl-staging (it is not on a package index "
+        "yet; README, Install)"
+    )

@@ -18,11 +18,13 @@ shape so that adopting the staging layer is a small diff:
 * **As lenient as a set where that is safe.** Integer-like room ids and chunk indices
   (anything with ``__index__``: ``numpy.int64``, ``numpy.int32``) and ``str`` subclasses
   are normalised to exact ``int``/``str`` before the lock is taken. ``discard`` of
-  something that cannot be a member (wrong shape or type, a negative id) does nothing, as
-  ``set.discard`` does; an unhashable value raises ``TypeError``, as with a set. Still
-  refused, with a clear error: ``add`` of a non-key (a set would store anything hashable;
-  the views store only ``int`` rooms and ``(int, int, str)`` keys), ``bool`` ids (``True``
-  as a room id is a caller bug), and an empty session id (it names no decode peer, and
+  something that cannot be a member (wrong shape or type, a negative id, an id of
+  ``2**63`` or more) does nothing, as ``set.discard`` does, and ``in`` answers ``False``;
+  an unhashable value raises ``TypeError``, as with a set. Still refused, with a clear
+  error: ``add`` of a non-key (a set would store anything hashable; the views store only
+  ``int`` rooms and ``(int, int, str)`` keys), ``bool`` ids (``True`` as a room id is a
+  caller bug), an id not below ``2**63`` (the bound ``StagingContext`` and the sender keep,
+  with the same ``ValueError``), and an empty session id (it names no decode peer, and
   ``purge_session`` could never reach its keys).
 * Rebinding either attribute (``ctx.prefetch_requested = {k for k in ... if k[0] != room}``,
   the racy upstream purge) raises :class:`TypeError` telling you to call
@@ -66,7 +68,7 @@ from staging.context import (
     next_generation,
 )
 from staging.locks import LockStats, MutexLock, RWLock
-from staging.validate import check_index, check_session_id
+from staging.validate import MAX_ID, check_id, check_session_id
 
 __all__ = [
     "DEFAULT_TOMBSTONES",
@@ -116,12 +118,13 @@ class CompatStats:
 
 
 def _plain_index(value: object, what: str, bools: bool = False) -> int:
-    """An id or index as an exact ``int`` >= 0: ``int``, or anything with ``__index__``
-    (``numpy.int64``); ``bool`` only if ``bools`` (then as 0/1). The shared validator
-    (:func:`staging.validate.check_index`). Raises: TypeError, ValueError."""
-    if type(value) is int and value >= 0:  # the hot path, without a call
+    """An id or index as an exact ``int`` with ``0 <= value < 2**63``: ``int``, or anything
+    with ``__index__`` (``numpy.int64``); ``bool`` only if ``bools`` (then as 0/1). The
+    validator ``StagingContext`` uses (:func:`staging.validate.check_id`), so the bound and
+    its error are the same. Raises: TypeError, ValueError."""
+    if type(value) is int and 0 <= value < MAX_ID:  # the hot path, without a call
         return value
-    return check_index(value, what, bools=bools)
+    return check_id(value, what, bools=bools)
 
 
 def _room_id(value: object, bools: bool = False) -> int:
@@ -137,8 +140,8 @@ def _key(value: object, bools: bool = False) -> PrefetchKey:
             type(room) is int
             and type(chunk_idx) is int
             and type(session_id) is str
-            and room >= 0
-            and chunk_idx >= 0
+            and 0 <= room < MAX_ID
+            and 0 <= chunk_idx < MAX_ID
             and session_id
         ):
             return value
@@ -638,8 +641,8 @@ class _SetView(MutableSet[T], Generic[T]):
         (and the first refusal of each such id is logged).
 
         Raises:
-            TypeError, ValueError: ``value`` is malformed (numpy integers and ``str``
-                subclasses are accepted and normalised).
+            TypeError, ValueError: ``value`` is malformed, or an id is not below ``2**63``
+                (numpy integers and ``str`` subclasses are accepted and normalised).
             RoomPurgedError: strict mode, and the room was purged recently.
         """
         self._test_and_add(self._check(value))
@@ -649,7 +652,7 @@ class _SetView(MutableSet[T], Generic[T]):
         replacement of ``if x not in view: view.add(x)``). Thread-safe; write lock; atomic.
 
         Raises:
-            TypeError, ValueError: ``value`` is malformed.
+            TypeError, ValueError: ``value`` is malformed, or an id is not below ``2**63``.
             RoomPurgedError: strict mode, and the room was purged recently.
         """
         return self._test_and_add(self._check(value))
@@ -1044,7 +1047,7 @@ class CompatStagingContext(FixedViews):
 
     Raises:
         TypeError, ValueError: bad arguments (as :class:`StagingContext`; ``tombstones``
-            must be an ``int`` >= 0).
+            must be an ``int`` with ``0 <= tombstones < 2**63``).
     """
 
     VIEW_NAMES: ClassVar[frozenset[str]] = frozenset({"prefetched_rooms", "prefetch_requested"})
@@ -1066,7 +1069,8 @@ class CompatStagingContext(FixedViews):
     ) -> None:
         """Make a :class:`CompatStagingContext`: every argument and what it raises are in the
         class docstring (``help(CompatStagingContext)``)."""
-        check_index(tombstones, "tombstones")
+        # Bounded as an id is: the window is formatted into repr() and the refusal WARNING.
+        tombstones = check_id(tombstones, "tombstones")
         core = _CompatCore(
             lock=lock, lock_timeout=lock_timeout, debug=debug, strict=strict, tombstones=tombstones
         )
@@ -1088,8 +1092,8 @@ class CompatStagingContext(FixedViews):
         atomic; never times out.
 
         Raises:
-            TypeError, ValueError: ``room`` is not an integer >= 0 (numpy integers are
-                accepted).
+            TypeError, ValueError: ``room`` is not an integer in ``[0, 2**63)`` (numpy
+                integers are accepted).
         """
         return self._core.purge_and_tombstone(_room_id(room))
 
@@ -1104,7 +1108,7 @@ class CompatStagingContext(FixedViews):
         Thread-safe; write lock; atomic; never times out.
 
         Raises:
-            TypeError, ValueError: ``room`` is not an integer >= 0.
+            TypeError, ValueError: ``room`` is not an integer in ``[0, 2**63)``.
         """
         return self._core.reopen(_room_id(room))
 
@@ -1121,7 +1125,7 @@ class CompatStagingContext(FixedViews):
         out.
 
         Raises:
-            TypeError, ValueError: ``room`` is not an integer >= 0.
+            TypeError, ValueError: ``room`` is not an integer in ``[0, 2**63)``.
         """
         return self._core.lift(_room_id(room))
 

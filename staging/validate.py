@@ -68,7 +68,7 @@ def check_indices(values: object, what: str, *, bounded: bool = False) -> tuple[
                 f"{what} must be an iterable of ints, got {type(values).__name__}"
             ) from None
     limit = MAX_ID if bounded else math.inf
-    check = _check_bounded if bounded else check_index
+    check = check_id if bounded else check_index
     out: list[int] = []
     for position, item in enumerate(items):
         if type(item) is int and 0 <= item < limit:
@@ -115,8 +115,18 @@ notification, a room notice of at most ``sender.notices.MAX_NOTICE_BYTES``) then
 formatting one never meets Python's int-to-str digit limit."""
 
 
-def _check_bounded(value: object, what: str) -> int:
-    plain = check_index(value, what)
+def check_id(value: object, what: str, *, bools: bool = False) -> int:
+    """:func:`check_index`, and below :data:`MAX_ID` (``2**63``), as every room id and chunk
+    index is, native and compat. The error names a huge value by its size (``str()`` of an
+    int past 4,300 digits itself raises), so building it never fails.
+
+    Raises:
+        TypeError: as :func:`check_index`.
+        ValueError: negative, or not below ``2**63``.
+    """
+    if type(value) is int and 0 <= value < MAX_ID:  # the common case, checked first
+        return value
+    plain = check_index(value, what, bools=bools)
     if plain >= MAX_ID:
         # Named by its size past a few hundred bits: str() of a huge int itself raises.
         shown = str(plain) if plain.bit_length() <= 256 else f"an int of {plain.bit_length()} bits"
@@ -127,13 +137,13 @@ def _check_bounded(value: object, what: str) -> int:
 def check_room_id(room: object) -> int:
     """A room id: ``int`` with ``0 <= room < 2**63`` (:data:`MAX_ID`), not ``bool``.
     Raises: TypeError, ValueError."""
-    return _check_bounded(room, "room")
+    return check_id(room, "room")
 
 
 def check_chunk_idx(chunk_idx: object) -> int:
     """A chunk index: ``int`` with ``0 <= chunk_idx < 2**63`` (:data:`MAX_ID`), not
     ``bool``. Raises: TypeError, ValueError."""
-    return _check_bounded(chunk_idx, "chunk_idx")
+    return check_id(chunk_idx, "chunk_idx")
 
 
 def check_session_id(session_id: object) -> str:

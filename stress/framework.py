@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Protocol
 
+from staging._version import install_extra_hint
 from stress.console import Console, ConsoleStream
 from stress.invariants import (
     DEADLOCK_ERROR_NAMES,
@@ -172,7 +173,7 @@ def register(scenario: Scenario) -> Scenario:
 
 
 SENDER_EXTRA_MODULES = frozenset({"torch", "numpy", "nixl"})
-"""Top-level modules that only the ``sender`` extra installs (``nixl-staging[sender]``)."""
+"""Top-level modules that only the ``sender`` extra installs."""
 
 _SKIPPED: dict[str, str] = {}
 
@@ -183,7 +184,7 @@ def missing_extra(exc: BaseException) -> str | None:
     name = exc.name if isinstance(exc, ModuleNotFoundError) else None
     if name is None or name.partition(".")[0] not in SENDER_EXTRA_MODULES:
         return None
-    return f"needs the 'sender' extra (no module {name!r}): pip install 'nixl-staging[sender]'"
+    return f"needs the 'sender' extra (no module {name!r}): " + install_extra_hint("sender")
 
 
 def load_scenarios() -> None:

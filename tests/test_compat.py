@@ -11,6 +11,7 @@ iteration over the live structure) and must see it fail, so the checks can fail.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import random
@@ -508,14 +509,20 @@ def test_compat_bench_tiny_and_registered() -> None:
 # ------------------------------------------------------------------ the README quick start
 
 
-def test_readme_staging_quick_start_runs() -> None:
+def test_readme_staging_quick_start_runs(caplog: pytest.LogCaptureFixture) -> None:
     readme = Path(__file__).resolve().parent.parent / "README.md"
     text = readme.read_text(encoding="utf-8")
     section = text[text.index("## Quick start: staging only") : text.index("## Usage")]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "no python example under '## Quick start: staging only'"
     assert "torch" not in match.group(1) and "sender" not in match.group(1)
-    exec(compile(match.group(1), "README.md:quick-start", "exec"), {"__name__": "quick_start"})
+    with caplog.at_level(logging.DEBUG):
+        exec(compile(match.group(1), "README.md:quick-start", "exec"), {"__name__": "quick_start"})
+    # What it logs is announced before the example (it printed an unannounced WARNING).
+    logged = [(r.name, r.levelname) for r in caplog.records if r.levelno >= logging.WARNING]
+    assert logged == [("staging.compat", "WARNING")]
+    before = section[: match.start()]
+    assert "one `WARNING` on purpose (logger `staging.compat`" in " ".join(before.split())
 
 
 @pytest.mark.usefixtures("fast_switch")

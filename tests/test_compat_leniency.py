@@ -351,3 +351,93 @@ def test_reopen_room_refuses_bad_ids(ctx: CompatStagingContext) -> None:
             ctx.reopen_room(bad)
         with pytest.raises(exc):
             ctx.purge_room(bad)
+
+
+# ------------------------------------------------------------- ids of 2**63 and more (issue 34)
+
+_HUGE = 10**5000  # str() of it raises (Python's int-to-str digit limit)
+_OUT_OF_RANGE_ELEMENTS: dict[str, tuple[str, Any]] = {
+    "room-2**63": ("prefetched_rooms", 2**63),
+    "room-2**64": ("prefetched_rooms", 2**64),
+    "room-uint64": ("prefetched_rooms", np.uint64(2**63)),
+    "room-huge": ("prefetched_rooms", _HUGE),
+    "key-room-2**63": ("prefetch_requested", (2**63, 0, "s")),
+    "key-chunk-2**63": ("prefetch_requested", (0, 2**63, "s")),
+    "key-room-huge": ("prefetch_requested", (_HUGE, 0, "s")),
+    "key-chunk-huge-index": ("prefetch_requested", (0, Index(_HUGE), "s")),
+}
+
+
+@pytest.mark.parametrize(
+    "case", list(_OUT_OF_RANGE_ELEMENTS.values()), ids=list(_OUT_OF_RANGE_ELEMENTS)
+)
+def test_out_of_range_ids_are_refused_as_staging_context_refuses_them(
+    ctx: CompatStagingContext, case: tuple[str, Any]
+) -> None:
+    """Ids are below 2**63 at every entry point, compat too (THREADING.md, "Key types"):
+    every write refuses a larger one with StagingContext's ValueError, before any change;
+    membership answers False and discard does nothing, as for any value that cannot be a
+    member. The old views stored them, and a 5,000-digit id then broke repr(view)."""
+    name, value = case
+    view = getattr(ctx, name)
+    writes: list[Callable[[], object]] = [
+        lambda: view.add(value),
+        lambda: view.test_and_add(value),
+        lambda: view.update([value]),
+        lambda: view.symmetric_difference_update([value]),
+        lambda: view.__ior__({value}),
+    ]
+    for write in writes:
+        with pytest.raises(ValueError, match=r"must be < 2\*\*63, got "):
+            write()
+    assert not view and ctx.stats().open_rooms == 0
+    assert value not in view
+    view.discard(value)
+    with pytest.raises(KeyError):
+        view.remove(value)
+    repr(view), repr(ctx)  # never raise
+
+
+def test_out_of_range_room_ids_are_refused_by_the_context_calls(
+    ctx: CompatStagingContext,
+) -> None:
+    for call in (ctx.purge_room, ctx.reopen_room, ctx.lift_tombstone):
+        for bad in (2**63, _HUGE):
+            with pytest.raises(ValueError, match=r"room must be < 2\*\*63"):
+                call(bad)
+    assert ctx.stats().tombstones == 0
+
+
+def test_the_error_is_the_one_staging_context_gives() -> None:
+    from staging import StagingContext
+
+    native = StagingContext()
+    with pytest.raises(ValueError) as theirs:
+        native.open_room(2**63)
+    with pytest.raises(ValueError) as ours:
+        CompatStagingContext().prefetched_rooms.add(2**63)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_a_tombstone_window_of_2_63_or_more_is_refused() -> None:
+    """The window is formatted into repr() and into the refusal WARNING: bounded as an id."""
+    for bad in (2**63, _HUGE):
+        with pytest.raises(ValueError, match=r"tombstones must be < 2\*\*63"):
+            CompatStagingContext(tombstones=bad)
+    ctx = CompatStagingContext(tombstones=np.int64(3))
+    assert type(ctx.stats().tombstone_capacity) is int and "tombstones=0/3" in repr(ctx)
+
+
+def test_refusal_warning_and_repr_format_at_the_largest_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The largest id accepted, 2**63 - 1, logs its refusal and shows in repr()."""
+    ctx = CompatStagingContext()
+    top = 2**63 - 1
+    ctx.prefetch_requested.add((top, top, "s"))
+    assert str(top) in repr(ctx.prefetch_requested)
+    ctx.purge_room(top)
+    with caplog.at_level(logging.WARNING, logger="staging.compat"):
+        ctx.prefetched_rooms.add(top)
+    lines = [r.getMessage() for r in caplog.records if r.name == "staging.compat"]
+    assert len(lines) == 1 and f"room {top}" in lines[0]

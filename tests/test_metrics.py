@@ -26,7 +26,7 @@ import pytest
 prometheus_client = pytest.importorskip(
     "prometheus_client",
     reason="the 'metrics' extra (prometheus-client) is not installed: "
-    "pip install 'nixl-staging[metrics]'",
+    "pip install '.[metrics]' in a clone of nixl-staging",
 )
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

@@ -158,7 +158,8 @@ def test_import_sender_without_the_extra_names_it(missing: str) -> None:
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1] == (
         f"ModuleNotFoundError: the sender needs the 'sender' extra (missing: {missing}): "
-        "pip install 'nixl-staging[sender]'"
+        "pip install '.[sender]' in a clone of nixl-staging (it is not on a package index "
+        "yet; README, Install)"
     ), proc.stderr
 
 
@@ -168,7 +169,8 @@ def test_stress_without_the_extra_runs_staging_and_names_it_for_sender_scenarios
     assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
     assert proc.stderr == (
         "python -m stress: error: scenario 'sender-lifecycle' needs the 'sender' extra "
-        "(no module 'torch'): pip install 'nixl-staging[sender]'\n"
+        "(no module 'torch'): pip install '.[sender]' in a clone of nixl-staging (it is not on "
+        "a package index yet; README, Install)\n"
     )
     proc = run_blocked(EXTRA_MODULES, main.format(["--help"]))
     assert proc.returncode == 0, proc.stderr

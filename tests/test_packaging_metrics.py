@@ -63,5 +63,6 @@ def test_without_prometheus_client_metrics_names_the_extra_and_events_import() -
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1] == (
         "ModuleNotFoundError: sender.metrics needs the 'metrics' extra (no module "
-        "'prometheus_client'): pip install 'nixl-staging[metrics]'"
+        "'prometheus_client'): pip install '.[metrics]' in a clone of nixl-staging (it is not "
+        "on a package index yet; README, Install)"
     ), proc.stderr

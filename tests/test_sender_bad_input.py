@@ -241,3 +241,21 @@ def test_peer_cli_bad_arguments_give_one_line_errors(capsys: pytest.CaptureFixtu
     help_text = " ".join(out.split())
     assert code == 0
     assert "LISTENING 127.0.0.1:<port>" in help_text and "(default: cpu)" in help_text
+
+
+def test_integer_like_room_ids_are_accepted_as_plain_ints(mgr: KVManager) -> None:
+    """THREADING.md, "Key types": KVManager and NixlKVSender take what ``operator.index``
+    takes (``numpy.int64``), as StagingContext does, and use the plain ``int``; never a
+    ``bool``, never 2**63 or more."""
+    import numpy as np
+
+    s = NixlKVSender(mgr, np.int64(120), [SESSION], [make_transfer_info(SESSION, range(2))])
+    assert s.handle.room == 120 and type(s.handle.room) is int
+    assert mgr.status(np.int64(120)) is not None and mgr.footprint(np.int32(120))
+    s.init(np.int64(2))
+    s.send([7, 8])
+    assert _wait(s) is KVPoll.Success
+    s.clear()
+    for bad, exc in ((True, TypeError), (np.uint64(2**63), ValueError)):
+        with pytest.raises(exc):
+            NixlKVSender(mgr, bad, [SESSION])

@@ -139,7 +139,29 @@ def test_plugin_without_sglang_registers_nothing_and_says_so(release: str | None
         assert "missing target sglang.srt.disaggregation" in warnings[0]
     else:
         assert "not installed" in warnings[0]
+        assert "To use the plugin, run a supported release" in done.stdout
     assert "does NOT apply" in done.stdout
+
+
+def test_check_on_an_unsupported_release_says_which_releases_to_use(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--check` on an unsupported SGLang named the supported releases only as a list;
+    it now says what to install (the newest supported release first) and the route for any
+    other SGLang."""
+    import staging.sglang.plugin as plugin
+    from staging.sglang.__main__ import main
+    from staging.sglang.releases import RELEASES
+
+    monkeypatch.delenv("NIXL_STAGING_SGLANG_PLUGIN", raising=False)
+    monkeypatch.setattr(plugin, "installed_release", lambda: "0.5.99")
+    assert main(["--check"]) == 1
+    out = capsys.readouterr().out
+    verdict = next(x for x in out.splitlines() if x.startswith("plugin: does NOT apply"))
+    newest = list(RELEASES)[-1]
+    assert "sglang 0.5.99 is not a supported release" in verdict
+    assert f"run a supported release: pip install 'sglang=={newest}'" in verdict
+    assert all(r in verdict for r in RELEASES) and "docs/ADOPTING.md" in verdict
 
 
 def test_the_entry_point_is_declared() -> None:

@@ -228,3 +228,29 @@ def test_request_prefetches_refuses_chunk_indices_past_the_id_bound(chunks: obje
         ctx.request_prefetches(h, chunks, "s")  # type: ignore[arg-type]
     assert ctx.room_requests(h) == frozenset()
     assert ctx.request_prefetches(h, range(2**63 - 2, 2**63), "s") == {2**63 - 2, 2**63 - 1}
+
+
+# ------------------------------------------------------------------ integer-like ids (issue 34)
+
+
+@pytest.mark.parametrize("kind", LOCK_KINDS)
+def test_integer_likes_are_accepted_and_stored_as_plain_ints(kind: str) -> None:
+    """THREADING.md, "Key types": every entry point takes what ``operator.index`` takes
+    (``numpy.int64`` included), never a ``bool``, and stores the plain ``int``. The document
+    said the opposite for ``StagingContext`` in one paragraph (a ``TypeError``); this pins
+    what the code does, which the document now says."""
+    np = pytest.importorskip("numpy")
+    ctx = StagingContext(lock=kind)
+    handle = ctx.open_room(np.int64(7))
+    assert handle.room == 7 and type(handle.room) is int
+    assert ctx.request_prefetch(handle, np.uint32(3), "d0")
+    assert ctx.request_prefetches(handle, np.arange(4, 6), "d0") == {4, 5}
+    assert ctx.is_requested(np.int64(7), 3, "d0") and ctx.is_open(handle)
+    assert {type(r) for r, _, _ in ctx.prefetch_requested} == {int}
+    assert type(RoomHandle(np.int32(7), handle.generation).room) is int
+    assert ctx.purge_room(np.int64(7)).was_open
+    for bad in (True, np.bool_(True)):
+        with pytest.raises(TypeError):
+            ctx.open_room(bad)
+    with pytest.raises(ValueError, match=r"room must be < 2\*\*63"):
+        ctx.open_room(np.uint64(2**63))

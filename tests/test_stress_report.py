@@ -281,7 +281,8 @@ def test_fault_table_columns_add_up() -> None:
     def rows(phases: list[dict[str, Any]]) -> list[dict[str, str]]:
         lines = format_phases({"phases": phases}).splitlines()
         head = [h.strip() for h in _split(lines[0])]
-        return [dict(zip(head, _split(ln, len(head)), strict=True)) for ln in lines[1:]]
+        body = lines[1 : 1 + len(phases)]  # the legend follows
+        return [dict(zip(head, _split(ln, len(head)), strict=True)) for ln in body]
 
     got = rows([_phase("stop", 10_000_000_000, 11, 9, 2), _phase("kill", 10**9, 4, 4, 0)])
     stop = got[0]
@@ -293,6 +294,30 @@ def test_fault_table_columns_add_up() -> None:
     odd = rows([_phase("stop", 10**9, 5, 3, 1)])[0]
     assert odd["other"] == "1"
     assert int(odd["in flight"]) == int(odd["failed"]) + int(odd["ok"]) + int(odd["other"])
+
+
+def test_fault_table_has_a_legend_and_the_readme_explains_every_column() -> None:
+    """The columns `in flight`, `opened after`, `their max ms`, `1st ok ms`, `goal` and
+    `canary` were explained nowhere: a legend is printed under the table, and the README's
+    stress section has a row for every column."""
+    _two_hosts_available()
+    from stress.scenarios.two_hosts import FAULT_TABLE_LEGEND, format_phases
+
+    lines = format_phases({"phases": [_phase("stop", 10**9, 5, 4, 1)]}).splitlines()
+    head = [h.strip() for h in _split(lines[0])]
+    assert lines[2:] == list(FAULT_TABLE_LEGEND) and all(len(ln) <= 100 for ln in lines[2:])
+    legend = " ".join(FAULT_TABLE_LEGEND)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("`two-hosts` prints one row per fault") :]
+    section = section[: section.index("\n\n", section.index("| column | meaning |"))]
+    explained = {
+        c.strip("` ") for row in section.splitlines()[3:] for c in row.split("|")[1].split(",")
+    }
+    for column in [*head, "other"]:
+        assert column in explained, column
+    for column in ("in flight", "opened after", "their max ms", "1st ok ms", "goal", "canary"):
+        assert column in legend, column
+    assert format_phases({"phases": []}).splitlines()[1:] == []  # no rows: no legend
 
 
 def _split(line: str, n: int | None = None) -> list[str]:

@@ -15,7 +15,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from staging.sglang.plugin import DISABLE_ENV, ENTRY_POINT, fingerprint, plan, resolve
+from staging.sglang.plugin import (
+    DISABLE_ENV,
+    ENTRY_POINT,
+    fingerprint,
+    plan,
+    resolve,
+    use_a_supported_release,
+)
 from staging.sglang.releases import RELEASES
 
 
@@ -49,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not result.applies:
         print(f"plugin: does NOT apply, no hook would be registered: {result.problem}")
+        if result.release is None:  # the unsupported-release problem already says it
+            print(use_a_supported_release())
         return 1
     print("plugin: APPLIES; SGLang's load_plugins() will install:")
     for target, _ in result.hooks:

@@ -139,6 +139,17 @@ def _disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() in _OFF
 
 
+def use_a_supported_release() -> str:
+    """What to do where the installed SGLang is not a release the plugin knows: the
+    releases to install, and the route for any other SGLang. Raises: nothing."""
+    newest = next(reversed(RELEASES))
+    return (
+        f"To use the plugin, run a supported release: pip install 'sglang=={newest}' (or "
+        f"{', '.join(r for r in RELEASES if r != newest)}); for another or a vendored SGLang, "
+        "make the change by hand (docs/ADOPTING.md)"
+    )
+
+
 def plan(release: str | None = None, *, check_fingerprints: bool = True) -> Plan:
     """Check the installed SGLang (``release``: the version to assume, default the
     installed one) and build the hooks, registering nothing.
@@ -160,7 +171,7 @@ def plan(release: str | None = None, *, check_fingerprints: bool = True) -> Plan
         result.problem = (
             f"sglang {release} is not a supported release (supported: {supported}); "
             f"missing target: the whole release table entry for {release} "
-            "(staging/sglang/releases.py)"
+            f"(staging/sglang/releases.py). {use_a_supported_release()}"
         )
         return result
     resolved: dict[str, object] = {}

@@ -87,7 +87,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Final
 
 import numpy as np
 
@@ -364,6 +364,22 @@ def relay_violations(result: dict[str, Any], monitor: Monitor) -> None:
         monitor.violation("no-escaped-exception", f"two-hosts child: {result['error']}")
 
 
+FAULT_TABLE_LEGEND: Final = tuple(
+    """\
+  in flight: rooms the sender had not concluded at the fault = failed + ok (+ other: neither);
+    ok: its bytes were through before the fault. fault->Failed ms: the slowest of them, fault to
+    Failed (sender's clock). goal ms / goal: its goal (kill, restart 1 s; stop, partition, evict
+    the 0.5 s deadline + 100 ms) and whether every one met it (a report; the run fails past a
+    wider limit). opened after: rooms opened after the fault; their max ms: the longest of their
+    lives (evict: of those opened after the eviction). leaks, corrupt, early reuse: findings.
+    recovered: a streak of verified rooms after the repair; 1st ok ms: repair to the first one.
+    canary: what NIXL said of a write posted into a stop/partition/evict, and when its bytes
+    landed after the repair. Every column: README, "Stress and benchmark jobs" (two-hosts).
+""".splitlines()
+)
+"""Printed under the fault table by :func:`format_phases`: what each column means."""
+
+
 def format_phases(result: dict[str, Any]) -> str:
     """The per-fault figures as a text table (what ``python -m stress two-hosts`` prints;
     ``--json`` has every figure)."""
@@ -437,6 +453,8 @@ def format_phases(result: dict[str, Any]) -> str:
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if phases:
+        lines.extend(FAULT_TABLE_LEGEND)
     for ph in result.get("phases", []):
         if ph.get("kind") == "notices":
             lat, idle, dlv = ph["latency_ms"], ph["idle_latency_ms"], ph["delivery_ms"]
