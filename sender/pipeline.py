@@ -11,14 +11,17 @@ send are one *unit*: one gate section registers all of them (one room-lock secti
 posts one NIXL write per session, and the writes that completed inside their post are ended
 together in one room-lock section. With a staging pool each session's chunk is its own unit
 (each needs a slot of its own; waiting for a second slot while holding the first could wait
-for itself). In worker mode (``num_workers > 0``) units are queued and a worker runs each,
-then polls its chunks until each ends or is hung; inline (``num_workers=0``) the caller of
-``send`` runs the unit and ``progress()`` polls.
+for itself). In worker mode (``num_workers > 0``) units are queued; a worker runs each and
+hands its posted chunks to one shared list that the workers pass over, one at a time, one
+status check per chunk (:meth:`ChunkPipeline._poll_pass`): no thread waits on one chunk, so
+a hung peer never holds up another peer's rooms. With a pool a worker leases each chunk's
+slot under its session's cap (``session_slots``) without waiting, and parks the chunk when
+none is free for it (:meth:`ChunkPipeline._run_pool_unit`). Inline (``num_workers=0``) the
+caller of ``send`` runs the unit (waiting there for a slot) and ``progress()`` polls.
 
 Hung chunks (past their deadline while NIXL still has them in progress) are *swept* every
 :data:`HUNG_SWEEP_S` wherever the manager runs: every worker loop iteration, busy or idle,
-between the polls of a worker's own chunks, while a worker waits for a staging slot, in
-``progress()`` and ``wait_drained()``.
+inline while a send waits for a staging slot, in ``progress()`` and ``wait_drained()``.
 """
 
 from __future__ import annotations

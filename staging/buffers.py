@@ -22,6 +22,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from staging._version import install_extra_hint
+
 try:
     import numpy as np
     import numpy.typing as npt
@@ -29,7 +31,7 @@ try:
 except ModuleNotFoundError as _exc:  # the core install has neither: name the extra
     raise ModuleNotFoundError(
         f"staging.buffers (the staging slot pool) needs torch and numpy, from the 'sender' "
-        f"extra (missing: {_exc.name}): pip install 'nixl-staging[sender]'",
+        f"extra (missing: {_exc.name}): {install_extra_hint('sender')}",
         name=_exc.name,
     ) from None
 

@@ -16,6 +16,7 @@ from tools.mutants_spec import Mutant
 SENTENCES = ("tests/test_sender_sentences.py",)
 PEER_SENTENCES = ("tests/test_peer_sentences.py",)
 REMOVED = "tests/test_removed_peer_writes.py"
+ISOLATION = "tests/test_peer_isolation.py"
 NOTIFIER = "sender/notifier.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -278,5 +279,85 @@ MUTANTS: tuple[Mutant, ...] = (
         "raises, releasing it unsettled: its room drains at once (violates 'a write in flight "
         "when its peer is removed keeps its opening draining until NIXL settles it')",
         tests=(REMOVED,),
+    ),
+    # Peer isolation (THREADING.md, "Peer isolation"; tests/test_peer_isolation.py).
+    Mutant(
+        id="worker-waits-on-its-chunks",
+        file="sender/pipeline.py",
+        original="""\
+                    if pending:
+                        self._track(pending)
+                        pauses = None  # new work: spin again before pausing longer
+""",
+        replacement="""\
+                    while pending:  # MUTANT: a worker polls its own chunks until they end
+                        pending = self.poll_all(pending)
+""",
+        kind="race",
+        description="a worker polls the chunks it posted until they end before it takes the "
+        "next unit: num_workers chunks of a hung peer stop every healthy room (violates 'no "
+        "transfer worker waits on a hung peer's chunks')",
+        tests=(f"{ISOLATION}::test_workers_do_not_wait_on_a_hung_peers_chunks",),
+    ),
+    Mutant(
+        id="session-slots-uncapped",
+        file="sender/pipeline.py",
+        original="""\
+        chunk.slot = pool.try_acquire(
+            chunk.handle, group=chunk.session_id, group_cap=self.session_slots
+        )
+""",
+        replacement="""\
+        chunk.slot = pool.try_acquire(
+            chunk.handle, group=chunk.session_id, group_cap=None  # MUTANT: no cap
+        )
+""",
+        kind="sequential",
+        description="a worker leases slots without its session's cap: a hung peer's chunks "
+        "take every slot (violates 'a hung peer holds at most its session's cap of slots')",
+        tests=(f"{ISOLATION}::test_a_hung_peer_holds_at_most_its_share_of_the_staging_slots",),
+    ),
+    Mutant(
+        id="removed-peer-keeps-its-slots",
+        file="sender/pipeline.py",
+        original="""\
+            self.pool.retire(slot)
+""",
+        replacement="""\
+            pass  # MUTANT: a removed peer's kept write keeps its slot counted
+""",
+        kind="sequential",
+        description="a removed peer's kept write keeps its slot leased and counted: "
+        "remove_peer gives nothing back (violates 'remove_peer gives that share back')",
+        tests=(f"{ISOLATION}::test_remove_peer_gives_back_the_hung_peers_slots",),
+    ),
+    Mutant(
+        id="close-releases-unsettled-writes",
+        file="sender/pipeline.py",
+        original="""\
+        unknowable = [c for c in left if getattr(c.transfer, "settled", None) is None]
+""",
+        replacement="""\
+        unknowable = left  # MUTANT: close() releases writes NIXL may still move
+""",
+        kind="sequential",
+        description="close() releases the writes NIXL still has in progress past its timeout: "
+        "draining says 0 while their bytes may land (violates the drain rule on every path)",
+        tests=(f"{ISOLATION}::test_the_drain_rule_holds_when_the_region_goes_or_the_manager_closes",),
+    ),
+    Mutant(
+        id="deregister-region-releases-unsettled-writes",
+        file="sender/transport.py",
+        original="""\
+                if not t._keep_if_unsettled(RegionRetiredError(name)):
+""",
+        replacement="""\
+                if True:  # MUTANT: deregister_region releases writes NIXL may still move
+""",
+        kind="sequential",
+        description="deregister_region releases the writes from the region that NIXL still has "
+        "in progress: their chunks end and draining says 0 while their bytes may land "
+        "(violates the drain rule on every path)",
+        tests=(f"{ISOLATION}::test_the_drain_rule_holds_when_the_region_goes_or_the_manager_closes",),
     ),
 )
