@@ -22,6 +22,7 @@ from sender import _nixl
 
 __all__ = [
     "AgentSetupError",
+    "ConcurrentSenderUseError",
     "KVTransferError",
     "PARAM_ERRORS",
     "PeerNotFoundError",
@@ -219,6 +220,71 @@ class RoomNotFailedError(KVTransferError):
     catch one still catch it, but its message does not say the transfer failed."""
 
     _headline = "no KV transfer failure to report"
+
+
+class ConcurrentSenderUseError(KVTransferError):
+    """Two threads were inside one ``NixlKVSender``'s scheduler-thread methods (``init``,
+    ``send``, ``poll``, ``failure_exception``, ``abort``) at once. Detected only in debug mode
+    (``KVManager(debug=True)``, or env ``NIXL_STAGING_DEBUG_LOCKS=1``); see
+    ``docs/THREADING.md``, "Two threads on one sender".
+
+    A caller bug, never a transport failure. A :class:`KVTransferError`, so that a scheduler
+    that handles ``failure_exception()``'s errors handles it too (a ``poll()`` or ``abort()``
+    that notices the overlap fails the room with it instead of raising), but its message
+    says what happened, not that a transfer failed.
+
+    Attributes:
+        method: The method the second thread called (it noticed the overlap).
+        thread: That thread's name and id.
+        other_method: The method the first thread was inside.
+        other_thread: The first thread's name and id.
+    """
+
+    _headline = "NixlKVSender used from two threads at once"
+
+    def __init__(
+        self,
+        room: int,
+        method: str,
+        thread: str,
+        other_method: str,
+        other_thread: str,
+        *,
+        generation: int | None = None,
+    ) -> None:
+        super().__init__(
+            room,
+            f"thread {thread} called {method}() while thread {other_thread} was inside "
+            f"{other_method}(); a sender's init/send/poll/failure_exception/abort must be "
+            "called by one thread at a time (docs/THREADING.md, 'Two threads on one sender')",
+            generation=generation,
+        )
+        self.method = method
+        self.thread = thread
+        self.other_method = other_method
+        self.other_thread = other_thread
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_concurrent_use,
+            (
+                self.room, self.method, self.thread, self.other_method, self.other_thread,
+                self.generation,
+            ),
+        )
+
+
+def _rebuild_concurrent_use(
+    room: int,
+    method: str,
+    thread: str,
+    other_method: str,
+    other_thread: str,
+    generation: int | None,
+) -> ConcurrentSenderUseError:
+    return ConcurrentSenderUseError(
+        room, method, thread, other_method, other_thread, generation=generation
+    )
 
 
 def _rebuild_kv_error(

@@ -273,6 +273,13 @@ class KVManager:
         return len(self._workers)
 
     @property
+    def debug(self) -> bool:
+        """Debug mode (the ``debug`` argument, or env ``NIXL_STAGING_DEBUG_LOCKS`` where it was
+        ``None``): the room table's locks check their order, and each ``NixlKVSender`` checks
+        that one thread at a time uses it (docs/THREADING.md). Never raises."""
+        return self._room_lock.debug
+
+    @property
     def request_status(self) -> Mapping[int, KVPoll]:
         """Snapshot (read-only) of room -> status. Thread-safe; read lock."""
         with self._room_lock.read():

@@ -19,7 +19,8 @@ from typing import NoReturn
 
 import numpy as np
 
-from sender.errors import KVTransferError, RoomNotFailedError
+from sender._one_thread import OneThreadCheck
+from sender.errors import ConcurrentSenderUseError, KVTransferError, RoomNotFailedError
 from sender.manager import KVManager, PageArray, TransferInfo
 from sender.poll import KVPoll, is_concluded
 from staging.context import RoomHandle
@@ -77,7 +78,13 @@ class NixlKVSender:
 
     Thread-safety: ``init``, ``send``, ``poll``, ``failure_exception`` and ``abort`` are
     called by the scheduler thread (one thread per sender). ``clear`` is safe from any
-    thread, concurrently with everything.
+    thread, concurrently with everything. In debug mode (``mgr.debug``) the sender notices a
+    second thread entering one of the scheduler-thread methods while another thread is inside
+    one: ``init``, ``send`` and ``failure_exception`` raise
+    :class:`~sender.errors.ConcurrentSenderUseError` naming both threads, ``poll`` and
+    ``abort`` (which never raise) fail the room with it. Handing the sender to another
+    thread between calls is allowed. Outside debug mode nothing is checked (the cost is one
+    attribute test per call).
     """
 
     def __init__(
@@ -102,6 +109,10 @@ class NixlKVSender:
         self.bootstrap_room = room
         self.session_ids = sessions
         self._handle: RoomHandle = mgr.open_room(room, sessions)
+        # Debug mode only: notices two threads inside the scheduler-thread methods at once.
+        self._one_thread: OneThreadCheck | None = (
+            OneThreadCheck(room, self._handle.generation) if mgr.debug else None
+        )
         self.conclude_state: KVPoll | None = None
         self._send_failed = False
         self._send_error: BaseException | None = None
@@ -128,15 +139,24 @@ class NixlKVSender:
         Raises:
             TypeError, ValueError: bad count (or more pages than a session's destination),
                 ``aux_index`` not an int >= 0, or ``init`` called twice. No state changes.
+            ConcurrentSenderUseError: debug mode only: another thread is inside a
+                scheduler-thread method of this sender. No state changes.
         """
-        num_kv_indices = check_index(num_kv_indices, "num_kv_indices")
-        if aux_index is not None:
-            aux_index = check_index(aux_index, "aux_index")
-        if self.num_kv_indices is not None:
-            raise ValueError(f"init() already called for room {self.bootstrap_room}")
-        self.kv_mgr.init_room(self._handle, num_kv_indices)
-        self.num_kv_indices = num_kv_indices
-        self.aux_index = aux_index
+        check = self._one_thread
+        if check is not None:
+            check.enter("init")  # ConcurrentSenderUseError: another thread is inside
+        try:
+            num_kv_indices = check_index(num_kv_indices, "num_kv_indices")
+            if aux_index is not None:
+                aux_index = check_index(aux_index, "aux_index")
+            if self.num_kv_indices is not None:
+                raise ValueError(f"init() already called for room {self.bootstrap_room}")
+            self.kv_mgr.init_room(self._handle, num_kv_indices)
+            self.num_kv_indices = num_kv_indices
+            self.aux_index = aux_index
+        finally:
+            if check is not None:
+                check.leave()
 
     def send(self, kv_indices: Sequence[int] | PageArray) -> None:
         """Send the next chunk: ``kv_indices`` are prefill KV pages, in room order.
@@ -151,56 +171,82 @@ class NixlKVSender:
             TypeError, ValueError: indices not 1-D ints >= 0, out of the KV pool, past
                 ``num_kv_indices``, an empty chunk that is not the last one, or the room not
                 ready (no decode info yet). No state changes in any of these cases.
+            ConcurrentSenderUseError: debug mode only: another thread is inside a
+                scheduler-thread method of this sender. No state changes.
         """
-        arr = _as_indices(kv_indices, "kv_indices", int(self.kv_mgr.kv_pool.shape[0]))
-        if self.num_kv_indices is None:
-            raise RuntimeError(f"send() before init() for room {self.bootstrap_room}")
-        if self._send_failed or is_concluded(self.conclude_state):
-            return
-        start = self._pages_sent
-        if start + arr.size > self.num_kv_indices:
-            raise ValueError(
-                f"room {self.bootstrap_room}: {arr.size} more pages would make "
-                f"{start + arr.size} sent ({start} already), num_kv_indices is "
-                f"{self.num_kv_indices}"
-            )
-        is_last = start + int(arr.size) == self.num_kv_indices
-        if arr.size == 0 and not is_last:
-            raise ValueError(
-                f"room {self.bootstrap_room}: an empty chunk is allowed only as the last one"
-            )
+        check = self._one_thread
+        if check is not None:
+            check.enter("send")  # ConcurrentSenderUseError: another thread is inside
         try:
-            self.kv_mgr.submit_chunk(self._handle, self._chunk_idx, start, arr, is_last)
-        except (TypeError, ValueError):
-            raise
-        except Exception as exc:  # transport error (inline mode) or anything unexpected
-            self._note_failure(exc, f"send of chunk {self._chunk_idx} failed: {exc!r}")
-            return
-        self._pages_sent = start + int(arr.size)
-        self._chunk_idx += 1
+            arr = _as_indices(kv_indices, "kv_indices", int(self.kv_mgr.kv_pool.shape[0]))
+            if self.num_kv_indices is None:
+                raise RuntimeError(f"send() before init() for room {self.bootstrap_room}")
+            if self._send_failed or is_concluded(self.conclude_state):
+                return
+            start = self._pages_sent
+            if start + arr.size > self.num_kv_indices:
+                raise ValueError(
+                    f"room {self.bootstrap_room}: {arr.size} more pages would make "
+                    f"{start + arr.size} sent ({start} already), num_kv_indices is "
+                    f"{self.num_kv_indices}"
+                )
+            is_last = start + int(arr.size) == self.num_kv_indices
+            if arr.size == 0 and not is_last:
+                raise ValueError(
+                    f"room {self.bootstrap_room}: an empty chunk is allowed only as the last one"
+                )
+            try:
+                self.kv_mgr.submit_chunk(self._handle, self._chunk_idx, start, arr, is_last)
+            except (TypeError, ValueError):
+                raise
+            except Exception as exc:  # transport error (inline mode) or anything unexpected
+                self._note_failure(exc, f"send of chunk {self._chunk_idx} failed: {exc!r}")
+                return
+            self._pages_sent = start + int(arr.size)
+            self._chunk_idx += 1
+        finally:
+            if check is not None:
+                check.leave()
 
     def poll(self) -> KVPoll:
         """The room's status; never raises. Scheduler thread.
 
         Once ``Success`` or ``Failed`` is seen it is kept in ``conclude_state``.
+
+        Raises: nothing. In debug mode, a ``poll`` that finds another thread inside a
+        scheduler-thread method returns ``Failed`` (without caching it) and fails the room
+        with a :class:`~sender.errors.ConcurrentSenderUseError` naming both threads, which
+        ``failure_exception`` raises: a scheduler loop that trusts ``poll`` not to raise still
+        learns of the misuse through its usual failure path.
         """
-        if self.conclude_state is not None:
-            return self.conclude_state
-        if self._send_failed:
-            return KVPoll.Failed
+        check = self._one_thread
+        if check is not None:
+            try:
+                check.enter("poll")
+            except ConcurrentSenderUseError as exc:  # poll() never raises
+                self.kv_mgr.record_failure(self._handle, exc, exc.reason)
+                return KVPoll.Failed
         try:
-            self.kv_mgr.progress(self._handle)
-            status = self.kv_mgr.handle_status(self._handle)
-        except Exception as exc:
-            self._note_failure(exc, f"poll failed: {exc!r}")
-            return KVPoll.Failed
-        if status is None:
-            # Cleared (or reopened by someone else) without a conclusion seen here.
-            self.conclude_state = KVPoll.Failed
-            return KVPoll.Failed
-        if is_concluded(status):
-            self.conclude_state = status
-        return status
+            if self.conclude_state is not None:
+                return self.conclude_state
+            if self._send_failed:
+                return KVPoll.Failed
+            try:
+                self.kv_mgr.progress(self._handle)
+                status = self.kv_mgr.handle_status(self._handle)
+            except Exception as exc:
+                self._note_failure(exc, f"poll failed: {exc!r}")
+                return KVPoll.Failed
+            if status is None:
+                # Cleared (or reopened by someone else) without a conclusion seen here.
+                self.conclude_state = KVPoll.Failed
+                return KVPoll.Failed
+            if is_concluded(status):
+                self.conclude_state = status
+            return status
+        finally:
+            if check is not None:
+                check.leave()
 
     def failure_exception(self) -> NoReturn:
         """Raise why this room failed, after purging every trace of it.
@@ -218,38 +264,49 @@ class NixlKVSender:
 
         Raises:
             BaseException: always, as described.
+            ConcurrentSenderUseError: debug mode only, instead of the above when another
+                thread is inside a scheduler-thread method of this sender: nothing is purged
+                or marked (the room's own error is still there for a later call; ``clear()``
+                purges it).
         """
-        room = self.bootstrap_room
-        if self._failure_reported:
-            raise KVTransferError(room, "failure already reported by failure_exception()")
-        self._failure_reported = True
-        purge = self.kv_mgr.purge_room(self._handle)
-        if self.conclude_state is None:
-            self.conclude_state = KVPoll.Failed
-        self._send_failed = True
-        if self._send_error is not None:
-            raise self._send_error
-        if purge.exception is not None:
-            raise purge.exception
-        gen = self._handle.generation
-        if purge.failure_record is not None:
-            raise KVTransferError(room, purge.failure_record, generation=gen)
-        if purge.was_open and purge.status is KVPoll.Success:
-            raise RoomNotFailedError(
-                room,
-                "it succeeded; failure_exception() was called on a Success room (now cleared)",
+        check = self._one_thread
+        if check is not None:
+            check.enter("failure_exception")  # ConcurrentSenderUseError: another thread is inside
+        try:
+            room = self.bootstrap_room
+            if self._failure_reported:
+                raise KVTransferError(room, "failure already reported by failure_exception()")
+            self._failure_reported = True
+            purge = self.kv_mgr.purge_room(self._handle)
+            if self.conclude_state is None:
+                self.conclude_state = KVPoll.Failed
+            self._send_failed = True
+            if self._send_error is not None:
+                raise self._send_error
+            if purge.exception is not None:
+                raise purge.exception
+            gen = self._handle.generation
+            if purge.failure_record is not None:
+                raise KVTransferError(room, purge.failure_record, generation=gen)
+            if purge.was_open and purge.status is KVPoll.Success:
+                raise RoomNotFailedError(
+                    room,
+                    "it succeeded; failure_exception() was called on a Success room (now cleared)",
+                    generation=gen,
+                )
+            if not purge.was_open:
+                raise RoomNotFailedError(
+                    room,
+                    "it was cleared before a failure was recorded (no error kept)",
+                    generation=gen,
+                )
+            raise KVTransferError(
+                room, "failed on another rank (no local error recorded)", is_from_another_rank=True,
                 generation=gen,
             )
-        if not purge.was_open:
-            raise RoomNotFailedError(
-                room,
-                "it was cleared before a failure was recorded (no error kept)",
-                generation=gen,
-            )
-        raise KVTransferError(
-            room, "failed on another rank (no local error recorded)", is_from_another_rank=True,
-            generation=gen,
-        )
+        finally:
+            if check is not None:
+                check.leave()
 
     def clear(self) -> None:
         """Purge every per-room table and the staging state; no chunk of this opening is
@@ -260,7 +317,26 @@ class NixlKVSender:
 
     def abort(self) -> None:
         """The caller gives the request up: the room becomes ``Failed`` (no further chunk is
-        posted; posted ones drain after ``clear``/``failure_exception``). Scheduler thread."""
+        posted; posted ones drain after ``clear``/``failure_exception``). Scheduler thread.
+
+        Raises: nothing. In debug mode, an ``abort`` that finds another thread inside a
+        scheduler-thread method fails the room with a
+        :class:`~sender.errors.ConcurrentSenderUseError` (which ``failure_exception`` then
+        raises) instead of the usual "aborted by the caller" error, and leaves this sender's
+        own attributes to the thread inside.
+        """
+        check = self._one_thread
+        if check is not None:
+            try:
+                check.enter("abort")
+            except ConcurrentSenderUseError as exc:  # abort() never raises
+                self.kv_mgr.record_failure(self._handle, exc, exc.reason)
+                return
+            try:
+                self._note_failure(None, "aborted by the caller")
+            finally:
+                check.leave()
+            return
         self._note_failure(None, "aborted by the caller")
 
     def _note_failure(self, exc: BaseException | None, reason: str) -> None:

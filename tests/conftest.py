@@ -17,7 +17,10 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 confine_to_loopback()
 
 # NIXL-specific fixtures (real agents, peer processes) live in their own module.
-pytest_plugins = ["tests.fixtures_nixl"]
+# tests.slow_report: at the end of a run, a warning line per test not marked `slow` whose call
+# took SLOW_THRESHOLD_S (15 s) or more, and how many `slow` tests were deselected (run them
+# with `make test-slow`). pytester: tests/test_slow_report.py runs small suites in-process.
+pytest_plugins = ["tests.fixtures_nixl", "tests.slow_report", "pytester"]
 
 
 def slow_deselected_line(deselected: list[pytest.Item]) -> str | None:
