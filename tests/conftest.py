@@ -23,31 +23,6 @@ confine_to_loopback()
 pytest_plugins = ["tests.fixtures_nixl", "tests.slow_report", "pytester"]
 
 
-def slow_deselected_line(deselected: list[pytest.Item]) -> str | None:
-    """The line the summary adds when tests marked ``slow`` were deselected (``make test``
-    runs ``-m "not slow"``): how many, and the targets that run them. ``None`` when none
-    was. Raises: nothing."""
-    slow = sum(item.get_closest_marker("slow") is not None for item in deselected)
-    if not slow:
-        return None
-    return (
-        f"{slow} test{'s' if slow != 1 else ''} marked slow deselected: `make test-slow` runs "
-        f"{'them' if slow != 1 else 'it'}, "
-        "`make test-all` every test (README, Set-up and tests)"
-    )
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Name the targets that run the deselected ``slow`` tests (a bare "15 deselected"
-    said nothing about them)."""
-    deselected = [
-        x for x in terminalreporter.stats.get("deselected", ()) if isinstance(x, pytest.Item)
-    ]
-    line = slow_deselected_line(deselected)
-    if line is not None:
-        terminalreporter.write_line(line)
-
-
 @pytest.fixture
 def fast_switch() -> Iterator[None]:
     """Lower the GIL switch interval to 1 µs so races become likely (restored after)."""

@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -131,21 +130,3 @@ def test_every_logger_of_the_library_is_in_logging_md() -> None:
     loggers = _library_loggers()
     assert "staging.compat" in loggers
     assert loggers <= documented, f"not in docs/LOGGING.md: {sorted(loggers - documented)}"
-
-
-def test_deselected_slow_tests_are_named_with_the_target_that_runs_them() -> None:
-    """`make test` said "15 deselected" and nothing of `make test-slow` (issue 34): the
-    summary now adds a line naming the targets when tests marked slow were deselected."""
-    from types import SimpleNamespace
-
-    from tests.conftest import slow_deselected_line
-
-    def item(slow: bool) -> Any:
-        return SimpleNamespace(get_closest_marker=lambda name: object() if slow else None)
-
-    line = slow_deselected_line([item(True), item(True), item(False)])
-    assert line is not None and line.startswith("2 tests marked slow deselected")
-    assert "`make test-slow` runs them" in line and "`make test-all`" in line
-    assert slow_deselected_line([item(False)]) is None and slow_deselected_line([]) is None
-    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-    assert '-m pytest -q -m "not slow"' in makefile and "\ntest-slow: " in makefile
