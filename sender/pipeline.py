@@ -27,12 +27,13 @@ inline while a send waits for a staging slot, in ``progress()`` and ``wait_drain
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -49,7 +50,12 @@ from sender.errors import (
 from sender.pages import CheckedPages
 from sender.poll import KVPoll
 from sender.rooms import After, RoomEntry, RoomTable
-from sender.transport import PageIndices, pause_between_polls, poll_pauses
+from sender.transport import (
+    POLL_PAUSE_FRACTION,
+    POLL_PAUSE_MIN_S,
+    PageIndices,
+    pause_between_polls,
+)
 from staging.buffers import (
     PoolClosedError,
     PoolExhaustedError,
@@ -91,9 +97,10 @@ FAILED_BY_US: tuple[type[BaseException], ...] = (
 ends only once ``settled()`` says so."""
 
 WORKER_SPIN_S = 200e-6
-"""Workers spin (poll with only a ``sched_yield`` between polls) for less than
-``Transfer.wait`` does: several of them poll at once, and on a small machine their spinning
-would take the CPU from NIXL's progress thread and the peer."""
+"""A chunk is polled at every pass for its first ``WORKER_SPIN_S`` (a pass then only yields
+the CPU before the next), less than ``Transfer.wait`` spins: several workers run at once,
+and on a small machine their spinning would take the CPU from NIXL's progress thread and the
+peer."""
 
 HUNG_SWEEP_S = 0.05
 """Hung chunks are re-checked this often (:meth:`ChunkPipeline.maybe_sweep`), busy or idle."""
@@ -104,10 +111,12 @@ chunks that hold slots this often (:meth:`ChunkPipeline._end_slot_holders`). Nob
 would end them: their writes may have completed long ago, but only a ``poll()`` on this very
 thread would see it, and this thread is the one waiting."""
 
-_QUEUE_WAIT_MIN_S = 1e-3
-"""A worker's pause between polls at least this long is a wait on the unit queue (a new
-unit, or ``close()``'s stop, ends it at once); a shorter one checks the queue and then
-sleeps (cheaper)."""
+PARKED_RETRY_S = 0.001
+"""Workers retry parked chunks (no slot for their session yet) at least this often."""
+
+_Tracked = tuple[float, int, float, Chunk]
+"""A chunk the workers poll: ``(due, seq, posted_at, chunk)`` (monotonic seconds; ``seq``
+breaks ties, so chunks are never compared)."""
 
 
 class _Idle:
@@ -236,12 +245,13 @@ class ChunkPipeline:
         # The worker queue: units of chunks (SimpleQueue.put never blocks); None = stop.
         self._queue: queue.SimpleQueue[list[Chunk] | None] = queue.SimpleQueue()
         self._stopped = False
-        # _tracked: the posted chunks the workers poll (:meth:`_poll_pass`), in no order.
-        # Guarded by _tracked_lock (a leaf lock outside the model: held only to swap or
-        # extend the list). _pass_claim: one worker at a time passes over them (a
+        # _tracked: the posted chunks the workers poll (:meth:`_poll_pass`), a heap by when
+        # each is due. Guarded by _tracked_lock (a leaf lock outside the model: held only to
+        # push and pop). _pass_claim: one worker at a time passes over them (a
         # non-blocking acquire, so nobody waits for it).
         self._tracked_lock = threading.Lock()
-        self._tracked: list[Chunk] = []
+        self._tracked: list[_Tracked] = []
+        self._tracked_seq = itertools.count()
         # _parked: pool units (one chunk each) that found no slot under their session's cap,
         # with when they were first parked; retried by the workers. Guarded by _tracked_lock.
         self._parked: list[tuple[list[Chunk], float]] = []
@@ -476,21 +486,32 @@ class ChunkPipeline:
             self._parked.append((unit, parked_at))
         return None
 
-    def _retry_parked(self) -> bool:
-        """Give each parked unit another try (:meth:`_run_pool_unit`), oldest first;
-        whether any left the parking."""
+    def _retry_parked(self) -> None:
+        """Give the parked units another try (:meth:`_run_pool_unit`), oldest first. Once a
+        session's unit stays parked, that session's later units stay parked without a try
+        (its cap is full) unless their room is gone or their wait is over: a long backlog of
+        a hung peer costs a look each, not a lease attempt each."""
         with self._tracked_lock:
             parked, self._parked = self._parked, []
         if not parked:
-            return False
-        moved = False
+            return
+        blocked: set[str] = set()
+        now = time.monotonic()
         for unit, since in parked:
+            chunk = unit[0]
+            if (
+                chunk.session_id in blocked
+                and now - since < self.slot_timeout_s
+                and self.rooms.peek(chunk.handle) is not None
+            ):
+                with self._tracked_lock:
+                    self._parked.append((unit, since))
+                continue
             pending = self._run_pool_unit(unit, since)
-            if pending is not None:
-                moved = True
-                if pending:
-                    self._track(pending)
-        return moved
+            if pending is None:
+                blocked.add(chunk.session_id)
+            elif pending:
+                self._track(pending)
 
     def _drop_parked(self) -> None:
         """A stopping worker: the parked units of its manager's close end (their rooms were
@@ -805,55 +826,85 @@ class ChunkPipeline:
         return [w.name for w in self.workers if w is not me and w.is_alive()]
 
     def _track(self, chunks: list[Chunk]) -> None:
-        """Hand posted chunks to the shared poll (:meth:`_poll_pass`)."""
+        """Hand posted chunks to the shared poll (:meth:`_poll_pass`), due at once."""
+        now = time.monotonic()
         with self._tracked_lock:
-            self._tracked.extend(chunks)
+            for chunk in chunks:
+                heapq.heappush(self._tracked, (now, next(self._tracked_seq), now, chunk))
+
+    def _poll_in(self, age_s: float) -> float:
+        """How long after a poll a chunk posted ``age_s`` ago is polled again: at once for
+        :data:`WORKER_SPIN_S`, then a fixed fraction of its age (a write is seen done at
+        most ~6 % after it completed), at most :data:`HUNG_SWEEP_S`; so a chunk that stays
+        in flight (a hung peer's) costs ever fewer polls, and a fresh one is seen at once.
+        ``poll_interval_s``, when set, is the pause for every chunk."""
+        if self.poll_interval_s is not None:
+            return self.poll_interval_s
+        if age_s < WORKER_SPIN_S:
+            return 0.0
+        return min(HUNG_SWEEP_S, max(POLL_PAUSE_MIN_S, age_s * POLL_PAUSE_FRACTION))
 
     def _poll_pass(self) -> bool:
-        """One pass over every tracked chunk, by one worker at a time (others skip it: a
-        non-blocking claim): poll each once, end those that ended, keep the rest. Never
-        blocks on a transfer; a chunk past its deadline leaves the pass as hung (swept
-        from then on). Returns whether any chunk left the pass. Never raises: a release
-        error fails the room of the first chunk ended with it."""
+        """One pass over the tracked chunks that are due, by one worker at a time (others
+        skip it: a non-blocking claim): poll each once, end those that ended, schedule the
+        rest (:meth:`_poll_in`). Never blocks on a transfer; a chunk past its deadline leaves
+        the pass as hung (swept from then on). Returns whether any chunk left the pass.
+        Never raises: a release error fails the room of the first chunk ended with it."""
         if not self._pass_claim.acquire(False):
             return False
         try:
+            now = time.monotonic()
+            due: list[_Tracked] = []
             with self._tracked_lock:
-                batch, self._tracked = self._tracked, []
-            if not batch:
+                tracked = self._tracked
+                while tracked and tracked[0][0] <= now:
+                    due.append(heapq.heappop(tracked))
+            if not due:
                 return False
             ends: list[_End] = []
-            still: list[Chunk] = []
-            for chunk in batch:
-                done, end = self.poll_once(chunk)
+            still: list[_Tracked] = []
+            for entry in due:
+                done, end = self.poll_once(entry[3])
                 if end is not None:
                     ends.append(end)
                 if not done:
-                    still.append(chunk)
+                    still.append(entry)
             if still:
-                self._track(still)
+                now = time.monotonic()
+                with self._tracked_lock:
+                    for _, _, posted_at, chunk in still:
+                        heapq.heappush(
+                            self._tracked,
+                            (now + self._poll_in(now - posted_at), next(self._tracked_seq),
+                             posted_at, chunk),
+                        )
             if ends:
                 self._end_many_safely(ends)
-            return len(still) < len(batch)
+            return len(still) < len(due)
         finally:
             self._pass_claim.release()
 
-    def _pauses(self) -> Iterator[float]:
-        """The pauses between the polls of a busy worker (see :data:`WORKER_SPIN_S`)."""
-        if self.poll_interval_s is None:
-            return poll_pauses(WORKER_SPIN_S)
-        return itertools.repeat(self.poll_interval_s)
+    def _idle_wait(self) -> float:
+        """How long a worker may wait for a unit: until the next tracked chunk is due, at
+        most :data:`PARKED_RETRY_S` while chunks are parked, at most :data:`HUNG_SWEEP_S`."""
+        with self._tracked_lock:
+            next_due = self._tracked[0][0] if self._tracked else None
+            parked = bool(self._parked)
+        wait = PARKED_RETRY_S if parked else HUNG_SWEEP_S
+        if next_due is not None:
+            wait = min(wait, max(0.0, next_due - time.monotonic()))
+        return wait
 
     def _next_unit(self, pause_s: float) -> list[Chunk] | _Idle | None:
-        """The next queued unit, waiting at most ``pause_s`` (a pause shorter than
-        :data:`_QUEUE_WAIT_MIN_S` is a check of the queue, then the pause itself)."""
+        """The next queued unit, waiting at most ``pause_s`` (a new unit, or ``close()``'s
+        stop, ends the wait at once); ``0`` only checks the queue and yields the CPU."""
         try:
-            if pause_s >= _QUEUE_WAIT_MIN_S:
+            if pause_s > 0:
                 return self._queue.get(timeout=bounded_wait(pause_s))
             unit = self._queue.get_nowait()
         except queue.Empty:
-            if pause_s < _QUEUE_WAIT_MIN_S:
-                pause_between_polls(pause_s)
+            if pause_s <= 0:
+                pause_between_polls(0.0)
             return _IDLE
         return unit
 
@@ -862,23 +913,15 @@ class ChunkPipeline:
         chunk in flight (:meth:`_poll_pass`). It never waits on one chunk: a chunk of a
         hung peer costs each pass one status check, and other peers' units and chunks go
         on meanwhile."""
-        pauses: Iterator[float] | None = None
         while True:
-            if self._tracked or self._parked:  # racy reads: a stale answer costs one wait
-                if pauses is None:
-                    pauses = self._pauses()
-                pause = next(pauses)
-                if self.rooms.hung:
-                    pause = min(pause, HUNG_SWEEP_S)
-            else:
-                pauses, pause = None, HUNG_SWEEP_S
+            pause = self._idle_wait()
             unit = self._next_unit(pause)
             if unit is None:
                 self._drop_parked()
                 return
             try:
-                if self._parked and self._retry_parked():  # older than the new unit
-                    pauses = None
+                if self._parked:  # older than the new unit
+                    self._retry_parked()
                 if not isinstance(unit, _Idle):
                     pending = (
                         self._run_unit(unit)
@@ -887,9 +930,8 @@ class ChunkPipeline:
                     )
                     if pending:
                         self._track(pending)
-                        pauses = None  # new work: spin again before pausing longer
-                if self._tracked and self._poll_pass():
-                    pauses = None
+                if self._tracked:
+                    self._poll_pass()
             except BaseException as exc:  # a worker never dies: the room fails instead
                 if not isinstance(unit, _Idle):
                     self.rooms.internal_error(unit[0], exc, chunk_ends=False)

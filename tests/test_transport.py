@@ -19,6 +19,7 @@ from sender.errors import (
     TRANSPORT_ERRORS,
     KVTransferError,
     PeerNotFoundError,
+    RegionRetiredError,
     TransferFailedError,
     TransferReleasedError,
     TransferTimeoutError,
@@ -395,10 +396,19 @@ def test_deregister_region_releases_its_transfers(
     x = tr.write_pages("peer", [0, 1], [0, 1])
     assert tr.deregister_region("kv") is True
     assert tr.deregister_region("kv") is False
+    if not x.released:  # NIXL still had it: kept (it may still read the region) until settled
+        with pytest.raises(RegionRetiredError):
+            x.poll()
+        deadline = time.monotonic() + 10
+        while not x.settled() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert x.settled()
+        x.release()
     assert x.released
     with pytest.raises(TransportParamError):
         tr.write_pages("peer", [0], [0])
     assert "kv" not in tr.regions()
+    assert tr.stats().live_transfers == 0
 
 
 @pytest.mark.timeout(30)

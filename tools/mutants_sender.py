@@ -101,19 +101,6 @@ MUTANTS: tuple[Mutant, ...] = (
         stress=SENDER_STRESS,
     ),
     Mutant(
-        id="d4-worker-catches-too-little",
-        file=PIPELINE,
-        original="""\
-            except BaseException as exc:  # a worker never dies: the room fails instead""",
-        replacement="""\
-            except (KeyError, ValueError) as exc:  # MUTANT: other errors kill the worker""",
-        kind="lifecycle",
-        description="defect 4: an error raised while a worker handles a transport error "
-        "escapes its loop: the worker thread dies and queued chunks are never processed",
-        tests=SENDER_TESTS,
-        stress=SENDER_STRESS,
-    ),
-    Mutant(
         id="d5-staging-purge-times-out",
         file="staging/context.py",
         original="""\

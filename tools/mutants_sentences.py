@@ -287,11 +287,12 @@ MUTANTS: tuple[Mutant, ...] = (
         original="""\
                     if pending:
                         self._track(pending)
-                        pauses = None  # new work: spin again before pausing longer
+                if self._tracked:
 """,
         replacement="""\
                     while pending:  # MUTANT: a worker polls its own chunks until they end
                         pending = self.poll_all(pending)
+                if self._tracked:
 """,
         kind="race",
         description="a worker polls the chunks it posted until they end before it takes the "
