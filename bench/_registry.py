@@ -89,6 +89,11 @@ BENCHMARKS: tuple[BenchSpec, ...] = (
         "sender-lifecycle rooms/s over NIXL: mutex (the default) vs rw vs debug locks",
     ),
     BenchSpec(
+        "isolation",
+        "bench.isolation",
+        "healthy peers' room p50/p99 with one decode peer hung (SIGSTOP) vs none",
+    ),
+    BenchSpec(
         "two-hosts",
         "bench.two_hosts",
         "GB/s over a tbf-shaped veth link to a peer in its own netns (UCX/TCP) vs the rate",

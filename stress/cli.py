@@ -20,7 +20,8 @@ named or ``--two-hosts`` is given; a plain ``python -m stress`` says it left it 
 ``make stress`` and ``make stress-quick`` pass ``--two-hosts``.
 
 Test-only: the hidden option ``--plant-bug NAME`` asks scenarios to swap in a deliberate bug
-(``staging-race`` knows ``resurrect``) so that tests can check a violation makes the exit
+(``staging-race`` knows ``resurrect``; ``peer-isolation`` knows
+``worker-waits-on-its-chunk``) so that tests can check a violation makes the exit
 status 1. It is not for normal use and is not shown by ``--help``.
 """
 

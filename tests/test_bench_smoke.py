@@ -22,6 +22,7 @@ from bench import _callgrind_child as child
 from bench import (
     curves,
     instructions,
+    isolation,
     lifecycle,
     purge_scaling,
     stress_rooms,
@@ -47,7 +48,7 @@ from tests.fixtures_nixl import requires_nixl
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parent.parent
-NIXL_BENCHES = ("transfer-share", "throughput", "curves", "stress-rooms")
+NIXL_BENCHES = ("transfer-share", "throughput", "curves", "stress-rooms", "isolation")
 
 
 def _check_table_width(result: BenchResult, width: int = REPORT_WIDTH) -> None:
@@ -157,6 +158,7 @@ def test_registry_lists_every_benchmark() -> None:
         "curves",
         "instructions",
         "stress-rooms",
+        "isolation",
         "two-hosts",
     ]
     for spec in BENCHMARKS:
@@ -278,6 +280,21 @@ def test_stress_rooms_tiny() -> None:
     assert result.goals[0].met is None  # report only
     # Judged against the library default, as docs/PERFORMANCE.md is.
     assert stress_rooms.REFERENCE == "mutex" and "default (mutex)" in result.goals[0].text
+
+
+@pytest.mark.nixl
+@requires_nixl
+def test_isolation_tiny() -> None:
+    """Every cell runs both kinds; the hung peer's rooms stay in flight through a run."""
+    result = isolation.measure(isolation.Preset(healthy=1, rooms=4, rounds=1))
+    _check_structure(result)
+    assert [row["cell"] for row in result.rows] == [label for label, _, _ in isolation.CELLS]
+    for row in result.rows:
+        assert row["healthy rooms"] == 4
+        assert row["failed hung/none"] == "0/0"
+        assert row["hung rooms stuck"] == "4/4"  # still Transferring at the run's end
+    assert result.goals[0].met is not None
+    assert any("seed 33" in note for note in result.notes)
 
 
 def test_module_entry_point_lists() -> None:

@@ -785,18 +785,26 @@ class SenderRig:
         staging: StagingContext | None = None,
         region: str = "staging",
         slot_timeout_s: float = 5.0,
+        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+        wrap: Callable[[Any], Any] | None = None,
     ) -> KVManager:
         """A new manager over the rig's transport (it becomes ``self.mgr``); close the old
         one first (:meth:`finish_manager`). It reports its openings, purges and room notices
         to ``self.notices`` (the ``decode-told`` check); under ``--plant-bug no-notices`` it
-        sends no room notice."""
+        sends no room notice. ``wrap``: what the manager sees of the transport is
+        ``wrap(transport)`` (a planted bug's seam; harness only).
+
+        Raises:
+            TypeError, ValueError: as ``KVManager`` for a bad argument.
+        """
+        transport: Any = _NoticeClock(self.injector, self.notices, self.ledger)
         self.mgr = TrackedManager(
-            _NoticeClock(self.injector, self.notices, self.ledger),
+            transport if wrap is None else wrap(transport),
             self.kv,
             num_workers=max(1, self.config.threads) if num_workers is None else num_workers,
             staging=staging or StagingContext(lock=self.config.lock, debug=True),
             staging_pool=self.pools[region],
-            transfer_timeout_s=TRANSFER_TIMEOUT_S,
+            transfer_timeout_s=transfer_timeout_s,
             slot_timeout_s=slot_timeout_s,
             lock="mutex",
             debug=True,
@@ -921,6 +929,19 @@ class SenderRig:
         when = "during a peer fault" if faulted else "no peer fault"
         ended = "succeeded" if o.status is KVPoll.Success else "failed"
         return f"{when}, {ended}"
+
+    def account(
+        self,
+        monitor: Monitor,
+        counters: WorkerCounters,
+        result: DriverResult,
+        on_outcome: Callable[[RoomOutcome], None] | None = None,
+    ) -> None:
+        """Count a driver run's outcomes (rooms, latencies) and report what breaks the
+        sender invariants (escaped exceptions, unconcluded rooms, wrong bytes, leftovers),
+        as the rig's scheduler does; for scenarios that drive their own runs. Raises:
+        whatever ``on_outcome`` raises."""
+        self._account(monitor, counters, result, on_outcome)
 
     def _account(
         self,
