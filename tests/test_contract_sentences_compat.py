@@ -47,6 +47,9 @@ class ReadingHandler(logging.Handler):
 
     def __init__(self, ctx: CompatStagingContext) -> None:
         super().__init__(logging.WARNING)
+        # No handler lock: a writer deadlocked inside emit() would hold it, and
+        # logging.shutdown() at interpreter exit would then wait for it forever.
+        self.lock = None
         self.ctx = ctx
         self.records = 0
         self.blocked: list[str] = []
