@@ -198,7 +198,15 @@ PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer 
         description="a batched write (update, |=, ^=) logs its tombstone refusals while it "
         "holds the context's lock: a handler that reads the context deadlocks (violates "
         "'refusals are logged after the lock is released'; 'no logging under a lock')",
-        tests=COMPAT,
+        # Three of the check's cases: each one the plant breaks is a deadlock, waited for.
+        tests=tuple(
+            f"{COMPAT[0]}::test_f_a_tombstone_refusal_is_logged_after_the_lock_is_released[{case}]"
+            for case in (
+                "keys.update-mutex",
+                "keys.^=-rw",
+                "rooms.symmetric_difference_update-mutex",
+            )
+        ),
     ),
     Mutant(
         id="contract-intersection-discards-from-a-snapshot",
@@ -227,6 +235,26 @@ PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer 
         "view as it was before the lock: an element discarded and re-added meanwhile is "
         "dropped while one added meanwhile outside `other` is kept (violates "
         "'intersection_update / &= decide on the view's state inside the lock')",
+        tests=COMPAT,
+    ),
+    Mutant(
+        id="contract-intersection-discard-list-from-a-snapshot",
+        file="staging/compat.py",
+        original="""\
+        if keep is not None:
+            self._core.write_many(self._ROOMS, keep=keep)
+""",
+        replacement="""\
+        if keep is not None:  # MUTANT: what to discard computed from a snapshot before the lock
+            gone = [x for x in self.snapshot() if x not in keep]
+            self._core.write_many(self._ROOMS, discards=gone)
+""",
+        kind="race",
+        description="the outside study's version: intersection_update computes its discard "
+        "list from a snapshot taken before the lock; it passes the in-place operator cases "
+        "of tests/test_compat_sentences.py, not an element outside `other` added while "
+        "another is discarded and re-added (violates 'intersection_update / &= decide on the "
+        "view's state inside the lock')",
         tests=COMPAT,
     ),
 )
