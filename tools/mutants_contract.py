@@ -1,0 +1,260 @@
+"""Mutants of the contract sentences that an outside set of planted bugs written from
+docs/THREADING.md got past (issue 33, item 0): the inline slot wait's check before it waits,
+a kept write's room-only failure, a purge's counters, held notices per opening, a purge's own
+status, and the compat views' logging and ``&=``. Each is planted somewhere else than the line
+the sentence's check was first expected to watch (an error class, the stats reader, the
+notifier's table, the compat core's batched write); the checks are in
+``tests/test_contract_sentences_sender.py`` and ``tests/test_contract_sentences_compat.py``
+(docs/THREADING.md, the guarantee table).
+
+Each snippet must match the current source exactly once (``make mutants`` stops with "stale
+mutant" otherwise; ``tests/test_mutants_current.py`` says so at test time). The sender's
+chunk pipeline and room table are being redesigned: the checks use only public behaviour and
+stay valid; a snippet of ``sender/pipeline.py``, ``sender/rooms.py`` or ``sender/manager.py``
+is to be re-planted in the new code, with the same description.
+"""
+
+from __future__ import annotations
+
+from tools.mutants_spec import Mutant
+
+SENDER = ("tests/test_contract_sentences_sender.py",)
+COMPAT = ("tests/test_contract_sentences_compat.py",)
+
+
+def _sender(test: str) -> tuple[str, ...]:
+    return (f"{SENDER[0]}::{test}",)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        id="contract-slot-check-only-once-waiting",
+        file="sender/pipeline.py",
+        original="""\
+        def on_wake() -> None:
+            self._end_slot_holders()
+            self._give_up_if_slots_all_hung(session)
+""",
+        replacement="""\
+        waits: list[None] = []
+
+        def on_wake() -> None:  # MUTANT: the hung-holder check only once a wait has begun
+            self._end_slot_holders()
+            if waits:
+                self._give_up_if_slots_all_hung(session)
+            waits.append(None)
+""",
+        kind="sequential",
+        description="the slot wait's hung-holder check is skipped on its first call, which "
+        "inline is the check before the wait: with slot_timeout_s=0 the room fails with a "
+        "plain PoolExhaustedError (violates 'inline, a chunk waiting for a slot checks before "
+        "it waits whether every slot is leased to a hung chunk')",
+        tests=_sender("test_a_inline_slot_wait_checks_for_hung_holders_before_it_waits"),
+    ),
+    Mutant(
+        id="contract-removed-peer-is-a-hung-peer",
+        file="sender/errors.py",
+        original="""\
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"unknown session {session_id!r} (never added, or removed)")
+        self.session_id = session_id
+""",
+        replacement="""\
+    def __init__(self, session_id: str) -> None:
+        TransportError.__init__(self, f"unknown session {session_id!r} (never added, or removed)")
+        self.session_id = session_id
+
+
+PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer is a hung one
+""",
+        kind="sequential",
+        description="PeerNotFoundError becomes a TransferTimeoutError: a write kept at "
+        "remove_peer is session-fatal and fails every room of the session id, which may "
+        "already name a new peer (violates 'a kept write fails its room at once but not its "
+        "session')",
+        tests=_sender("test_b_a_write_kept_at_remove_peer_fails_its_room_not_its_session"),
+    ),
+    Mutant(
+        id="contract-stats-counters-read-apart",
+        file="sender/manager.py",
+        original="""\
+        with self._room_lock.read():
+            counts = dict(rooms.counts)
+            by_code = MappingProxyType(dict(rooms.failed_by_code))
+""",
+        replacement="""\
+        counts = dict(rooms.counts)  # MUTANT: the counters read apart from the gauges
+        with self._room_lock.read():
+            by_code = MappingProxyType(dict(rooms.failed_by_code))
+""",
+        kind="race",
+        description="stats() copies the counters before its read section: a purge in "
+        "between is seen in open_rooms but not in purges/rooms_cleared (violates 'a stats() "
+        "or metrics scrape between the purge and its count must be impossible')",
+        tests=_sender("test_c_no_scrape_between_a_purge_and_its_count"),
+    ),
+    Mutant(
+        id="contract-purge-counted-after-the-section",
+        file="sender/rooms.py",
+        original="""\
+            self.seal_locked(after)
+        self.publish(after)
+        return ManagerPurge(
+            room, True, status, tuple(tables), staged, 0, 0, exception, record, draining
+        )
+""",
+        replacement="""\
+            self.seal_locked(after)
+            self.counts["purges"] -= 1  # MUTANT: counted again after the section, apart
+        purges = self.counts["purges"]
+        self.counts["purges"] = purges + 1
+        self.publish(after)
+        return ManagerPurge(
+            room, True, status, tuple(tables), staged, 0, 0, exception, record, draining
+        )
+""",
+        kind="race",
+        description="a purge's count is made after its critical section (read, then "
+        "write): a scrape in between sees the room gone but not counted, and two concurrent "
+        "purges lose a count (violates 'a purge's counters change in the same critical "
+        "section as the room's status')",
+        tests=(
+            *_sender("test_c_no_scrape_between_a_purge_and_its_count"),
+            *_sender("test_c_two_concurrent_purges_lose_no_count"),
+        ),
+    ),
+    Mutant(
+        id="contract-notice-held-per-room-id",
+        file="sender/notifier.py",
+        original="""\
+        self._held: dict[RoomHandle, _Item] = {}
+""",
+        replacement="""\
+        self._held: dict[RoomHandle, _Item] = type(  # MUTANT: held per room id
+            "HeldByRoomId",
+            (dict,),
+            {
+                "__setitem__": lambda d, k, v: dict.__setitem__(d, k.room, v),
+                "__contains__": lambda d, k: dict.__contains__(d, k.room),
+                "pop": lambda d, k, *default: dict.pop(d, k.room, *default),
+            },
+        )()
+""",
+        kind="lifecycle",
+        description="the notifier holds a room notice per room id, not per opening: the "
+        "second opening's notice replaces the first's and goes out when the first drains "
+        "(violates 'a room notice is held and released per opening, never per room id')",
+        tests=_sender("test_d_a_notice_is_held_and_released_per_opening"),
+    ),
+    Mutant(
+        id="contract-purge-status-before-the-gate",
+        file="sender/rooms.py",
+        original="""\
+        with self.lock.read():
+            entry = self.rooms.get(room)
+        if entry is None or (generation is not None and entry.handle.generation != generation):
+            return ManagerPurge(room, False, None, (), None, 0, 0)
+        after = After()
+        with entry.gate.write_untimed(), self.lock.write_untimed():
+            if self.rooms.get(room) is not entry:  # another purge won
+                return ManagerPurge(room, False, None, (), None, 0, 0)
+            del self.rooms[room]
+            status = self.request_status.get(room)
+""",
+        replacement="""\
+        with self.lock.read():
+            entry = self.rooms.get(room)
+            seen = self.request_status.get(room)  # MUTANT: the status read before the gate
+        if entry is None or (generation is not None and entry.handle.generation != generation):
+            return ManagerPurge(room, False, None, (), None, 0, 0)
+        after = After()
+        with entry.gate.write_untimed(), self.lock.write_untimed():
+            if self.rooms.get(room) is not entry:  # another purge won
+                return ManagerPurge(room, False, None, (), None, 0, 0)
+            del self.rooms[room]
+            status = seen
+""",
+        kind="race",
+        description="a purge reports, counts and tells the status it read before taking the "
+        "room's gate: a failure or success in between is cleared over (counted twice, "
+        "'cleared' told) (violates 'the status a purge reports, counts and sends is the one "
+        "read in its own critical section')",
+        tests=_sender("test_e_a_purge_reports_counts_and_tells_the_status_of_its_own_section"),
+    ),
+    Mutant(
+        id="contract-batched-refusal-logged-under-the-lock",
+        file="staging/compat.py",
+        original="""\
+                    to_log.append(item if rooms_view else item[0])
+        _log_refusals(to_log, self._tombstone_capacity)
+        return added
+""",
+        replacement="""\
+                    to_log.append(item if rooms_view else item[0])
+            _log_refusals(to_log, self._tombstone_capacity)  # MUTANT: logged under the lock
+        return added
+""",
+        kind="sequential",
+        description="a batched write (update, |=, ^=) logs its tombstone refusals while it "
+        "holds the context's lock: a handler that reads the context deadlocks (violates "
+        "'refusals are logged after the lock is released'; 'no logging under a lock')",
+        # Three of the check's cases: each one the plant breaks is a deadlock, waited for.
+        tests=tuple(
+            f"{COMPAT[0]}::test_f_a_tombstone_refusal_is_logged_after_the_lock_is_released[{case}]"
+            for case in (
+                "keys.update-mutex",
+                "keys.^=-rw",
+                "rooms.symmetric_difference_update-mutex",
+            )
+        ),
+    ),
+    Mutant(
+        id="contract-intersection-discards-from-a-snapshot",
+        file="staging/compat.py",
+        original="""\
+        with self._lock.write():
+            if self._strict:
+                self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
+            for item in discards:
+                discard(item)
+            if keep is not None:
+                for item in list(self._items_locked(rooms_view)):
+""",
+        replacement="""\
+        before = [] if keep is None else list(self._items_locked(rooms_view))  # MUTANT
+        with self._lock.write():
+            if self._strict:
+                self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
+            for item in discards:
+                discard(item)
+            if keep is not None:
+                for item in before:  # what to discard was decided before the lock
+""",
+        kind="race",
+        description="the compat core decides what &= / intersection_update discards from the "
+        "view as it was before the lock: an element discarded and re-added meanwhile is "
+        "dropped while one added meanwhile outside `other` is kept (violates "
+        "'intersection_update / &= decide on the view's state inside the lock')",
+        tests=COMPAT,
+    ),
+    Mutant(
+        id="contract-intersection-discard-list-from-a-snapshot",
+        file="staging/compat.py",
+        original="""\
+        if keep is not None:
+            self._core.write_many(self._ROOMS, keep=keep)
+""",
+        replacement="""\
+        if keep is not None:  # MUTANT: what to discard computed from a snapshot before the lock
+            gone = [x for x in self.snapshot() if x not in keep]
+            self._core.write_many(self._ROOMS, discards=gone)
+""",
+        kind="race",
+        description="the outside study's version: intersection_update computes its discard "
+        "list from a snapshot taken before the lock; it passes the in-place operator cases "
+        "of tests/test_compat_sentences.py, not an element outside `other` added while "
+        "another is discarded and re-added (violates 'intersection_update / &= decide on the "
+        "view's state inside the lock')",
+        tests=COMPAT,
+    ),
+)
