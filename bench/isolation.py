@@ -19,8 +19,8 @@ Cells: without and with a staging pool (:data:`POOL_SLOTS` slots of
 manager's default ``session_slots``), with 1 and 4 transfer workers. Each cell (one
 :class:`sender.manager.KVManager`) runs two kinds of run side by side (the harness's
 :func:`~bench._harness.interleave`, ``rounds`` of each): ``hung`` (the hung peer is
-stopped and gets its rooms) and ``none`` (the same peer is not stopped and gets no room:
-the same healthy load with no hung peer).
+stopped) and ``none`` (the same peer is not stopped): the same rooms to every peer in
+both, so the only difference is the hang.
 
 Latency is the sender's own: ``time.monotonic()`` from right before the
 :class:`sender.nixl_sender.NixlKVSender` is made to the ``poll()`` that returns
@@ -257,8 +257,8 @@ class _Rig:
             self._finish(room, True)
 
     def run(self, mgr: KVManager, rooms: int, hung: bool) -> _Run:
-        """One run: ``rooms`` rooms to each healthy peer (and, with ``hung``, as many to the
-        stopped peer); see the module docstring.
+        """One run: ``rooms`` rooms to each healthy peer and as many to the ``hung`` peer,
+        stopped with ``hung``; see the module docstring.
 
         Raises:
             RuntimeError: the hung rooms did not conclude, or the manager did not drain,
@@ -285,7 +285,7 @@ class _Rig:
                 moved = False
                 for sid in self.healthy:
                     while admitted[sid] < rooms and inflight[sid] < IN_FLIGHT:
-                        if hung and sid == self.healthy[0]:  # first: not in a healthy window
+                        if sid == self.healthy[0]:  # first: not in a healthy window
                             hung_rooms.append(self._open(mgr, HUNG))
                         active.append(self._open(mgr, sid))
                         admitted[sid] += 1
@@ -452,7 +452,7 @@ def _result(cells: list[_CellData], preset: Preset, seed: int, set_up_s: float) 
         f"seed {seed}; {preset.healthy} healthy decode peers + 1 hung (SIGSTOP), "
         f"{preset.rooms} rooms per healthy peer per run, {IN_FLIGHT} in flight per peer, "
         f"1-{MAX_ROOM_PAGES} pages x {PAGE_BYTES} B per room (one chunk); the hung peer gets "
-        "a room with each room of the first healthy peer",
+        "a room with each room of the first healthy peer, in both kinds of run (stopped or not)",
         f"{preset.rounds} run(s) of each kind per cell, interleaved; p50/p99 over every "
         "healthy room of a kind in the cell (rounds pooled), open -> Success by the sender's "
         "clock (time.monotonic on the scheduler loop)",

@@ -26,6 +26,7 @@ inline while a send waits for a staging slot, in ``progress()`` and ``wait_drain
 
 from __future__ import annotations
 
+import collections
 import functools
 import heapq
 import itertools
@@ -252,9 +253,11 @@ class ChunkPipeline:
         self._tracked_lock = threading.Lock()
         self._tracked: list[_Tracked] = []
         self._tracked_seq = itertools.count()
-        # _parked: pool units (one chunk each) that found no slot under their session's cap,
-        # with when they were first parked; retried by the workers. Guarded by _tracked_lock.
-        self._parked: list[tuple[list[Chunk], float]] = []
+        # _parked: session -> its pool units (one chunk each) that found no slot under the
+        # session's cap, oldest first, each with when it was first parked; retried by the
+        # workers (:meth:`_retry_parked`). Guarded by _tracked_lock.
+        self._parked: dict[str, collections.deque[tuple[list[Chunk], float]]] = {}
+        self._park_claim = threading.Lock()  # one worker at a time retries them
         self._pass_claim = threading.Lock()
         self.workers = [
             threading.Thread(target=self._worker_main, name=f"kv-worker-{i}", daemon=True)
@@ -459,9 +462,9 @@ class ChunkPipeline:
         return chunk.slot is not None
 
     def _run_pool_unit(self, unit: list[Chunk], parked_at: float | None) -> list[Chunk] | None:
-        """A worker runs ``unit`` (one chunk) once its slot is leased; ``None`` when it
-        stays parked (first parked at ``parked_at``, now if ``None``). A parked chunk of a
-        purged or failed room is skipped; one that waited ``slot_timeout_s``, or whose
+        """A worker runs ``unit`` (one chunk) once its slot is leased; ``None`` when it must
+        stay parked (first parked at ``parked_at``; ``None``: its first try). A parked chunk
+        of a purged or failed room is skipped; one that waited ``slot_timeout_s``, or whose
         slots are all held by hung chunks, fails its room."""
         chunk = unit[0]
         rooms = self.rooms
@@ -482,44 +485,64 @@ class ChunkPipeline:
         except (PoolExhaustedError, PoolClosedError) as exc:
             rooms.slot_failed(chunk, exc)
             return []
-        with self._tracked_lock:
-            self._parked.append((unit, parked_at))
         return None
 
-    def _retry_parked(self) -> None:
-        """Give the parked units another try (:meth:`_run_pool_unit`), oldest first. Once a
-        session's unit stays parked, that session's later units stay parked without a try
-        (its cap is full) unless their room is gone or their wait is over: a long backlog of
-        a hung peer costs a look each, not a lease attempt each."""
-        with self._tracked_lock:
-            parked, self._parked = self._parked, []
-        if not parked:
-            return
-        blocked: set[str] = set()
+    def _admit_pool_unit(self, unit: list[Chunk]) -> list[Chunk]:
+        """A worker's new pool unit: behind its session's parked units if it has any (first
+        in, first out per session), else tried at once and parked if no slot is free for
+        it. Returns the chunks to poll."""
+        session = unit[0].session_id
         now = time.monotonic()
-        for unit, since in parked:
-            chunk = unit[0]
-            if (
-                chunk.session_id in blocked
-                and now - since < self.slot_timeout_s
-                and self.rooms.peek(chunk.handle) is not None
-            ):
-                with self._tracked_lock:
-                    self._parked.append((unit, since))
-                continue
-            pending = self._run_pool_unit(unit, since)
-            if pending is None:
-                blocked.add(chunk.session_id)
-            elif pending:
-                self._track(pending)
+        with self._tracked_lock:
+            waiting = self._parked.get(session)
+            if waiting:
+                waiting.append((unit, now))
+                return []
+        pending = self._run_pool_unit(unit, None)
+        if pending is None:
+            with self._tracked_lock:
+                self._parked.setdefault(session, collections.deque()).append((unit, now))
+            return []
+        return pending
+
+    def _retry_parked(self) -> None:
+        """Retry the parked units, one worker at a time (a non-blocking claim), each
+        session's oldest first: a session's queue stops at its first unit that must stay
+        parked (its cap is full), so a long backlog of a hung peer costs one lease attempt
+        per retry, not one per parked chunk."""
+        if not self._park_claim.acquire(False):
+            return
+        try:
+            with self._tracked_lock:
+                sessions = list(self._parked)
+            for session in sessions:
+                while True:
+                    with self._tracked_lock:
+                        waiting = self._parked.get(session)
+                        if not waiting:
+                            self._parked.pop(session, None)
+                            break
+                        unit, since = waiting.popleft()
+                    pending = self._run_pool_unit(unit, since)
+                    if pending is None:
+                        with self._tracked_lock:
+                            self._parked.setdefault(session, collections.deque()).appendleft(
+                                (unit, since)
+                            )
+                        break
+                    if pending:
+                        self._track(pending)
+        finally:
+            self._park_claim.release()
 
     def _drop_parked(self) -> None:
         """A stopping worker: the parked units of its manager's close end (their rooms were
         purged: skipped)."""
         with self._tracked_lock:
-            parked, self._parked = self._parked, []
-        for unit, _ in parked:
-            self._run_unit(unit)
+            parked, self._parked = self._parked, {}
+        for waiting in parked.values():
+            for unit, _ in waiting:
+                self._run_unit(unit)
 
     def _end_slot_holders(self) -> None:
         """Inline mode, while a send waits for a staging slot: poll once every posted chunk
@@ -926,7 +949,7 @@ class ChunkPipeline:
                     pending = (
                         self._run_unit(unit)
                         if self.pool is None
-                        else self._run_pool_unit(unit, None)
+                        else self._admit_pool_unit(unit)
                     )
                     if pending:
                         self._track(pending)

@@ -294,11 +294,12 @@ MUTANTS: tuple[Mutant, ...] = (
                         pending = self.poll_all(pending)
                 if self._tracked:
 """,
-        kind="race",
+        kind="sequential",
         description="a worker polls the chunks it posted until they end before it takes the "
         "next unit: num_workers chunks of a hung peer stop every healthy room (violates 'no "
         "transfer worker waits on a hung peer's chunks')",
         tests=(f"{ISOLATION}::test_workers_do_not_wait_on_a_hung_peers_chunks",),
+        stress=("peer-isolation",),
     ),
     Mutant(
         id="session-slots-uncapped",
