@@ -469,11 +469,13 @@ class ChunkPipeline:
         chunk = unit[0]
         rooms = self.rooms
         try:
-            if self._lease_or_park(unit):
-                return self._run_unit(unit)
+            # Skip a purged or failed room's unit before leasing anything for it: a lease for
+            # a purged opening would make its draining() count rise again after the purge.
             entry = rooms.peek(chunk.handle)
             if entry is None or rooms.request_status.get(chunk.handle.room) is KVPoll.Failed:
                 return self._run_unit(unit)  # skipped there
+            if self._lease_or_park(unit):
+                return self._run_unit(unit)
             now = time.monotonic()
             if parked_at is None:
                 parked_at = now

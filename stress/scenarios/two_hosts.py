@@ -1554,7 +1554,16 @@ def child_main(argv: Sequence[str]) -> int:
     args = ap.parse_args(list(argv))
     if args.stacks:
         stacks = open(args.stacks, "w", encoding="utf-8")  # noqa: SIM115 (kept to the exit)
-        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+
+        def dump_stacks(signum: int, frame: object) -> None:
+            # A Python-level handler: the main thread runs it between bytecodes, holding the
+            # GIL, so no other thread changes its frames while they are read. faulthandler's
+            # own handler (faulthandler.register) reads them from the signal, unguarded, and
+            # crashed this process now and then (SIGSEGV) while workers ran Python code.
+            faulthandler.dump_traceback(stacks, all_threads=True)
+            stacks.flush()
+
+        signal.signal(signal.SIGUSR1, dump_stacks)
     link = TwoHostLink.from_json(args.link)
     plan = Plan.from_json(args.plan)
     if plan.plant_bug is not None and plan.plant_bug not in PLANTED_BUGS:
