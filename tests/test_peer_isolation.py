@@ -9,6 +9,7 @@ sender's own design can make a healthy peer's room wait for the hung one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -213,3 +214,59 @@ def test_remove_peer_gives_back_the_hung_peers_slots(
         assert hung.page_digest([10]) == sender_pool.digests([10])  # from the retired slot
         settled = pool.stats()
         assert (settled.free, settled.retired, settled.spare, settled.in_use) == (2, 0, 1, 0)
+
+
+class _LeaseLog(StagingBufferPool):
+    """A real pool that logs every lease it grants and refuses, and can hold one owner's
+    next lease attempt until ``go`` is set (``entered`` says it is held)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.leases: list[Any] = []
+        self.refused: list[Any] = []
+        self.hold_owner: Any = None
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def try_acquire(self, owner: Any, **kw: Any) -> Any:
+        if owner == self.hold_owner:
+            self.hold_owner = None
+            self.entered.set()
+            assert self.go.wait(BOUND_S)
+        slot = super().try_acquire(owner, **kw)
+        (self.refused if slot is None else self.leases).append(owner)
+        return slot
+
+
+@pytest.mark.timeout(240)
+def test_a_parked_chunk_of_a_purged_room_never_leases_a_slot(
+    sender_pool: SenderPool, peer_factory: Callable[..., Any]
+) -> None:
+    """The drain rule (THREADING.md, "Draining"): once a purge returned with
+    ``draining(handle) == 0``, nothing of that opening is held again, so its decode pages may
+    be reused at once. A unit waiting for a slot (queued behind a parked one) whose room is
+    purged meanwhile must be skipped without ever leasing a slot for the purged opening: a
+    lease would make ``draining`` rise again after the purge (two-hosts' no-early-reuse
+    caught it: 'decode page handed to a new room while failed room still drains'). The one
+    worker is held inside the parked room's retry while the other room is sent and purged
+    and the slots come free, so the order does not depend on the machine."""
+    pool = _LeaseLog(3, 1, PAGE_BYTES)
+    with _two_peers(
+        sender_pool, peer_factory, 1, pool, slot_timeout_s=DEADLINE_S, session_slots=3
+    ) as (mgr, _hung, _ok):
+        held = [pool.try_acquire("test") for _ in range(3)]  # no slot for anyone
+        waiting = _room(mgr, 10, "ok", 10, 10)
+        assert wait_until(lambda: waiting.handle in pool.refused, BOUND_S), "never parked"
+        pool.hold_owner = waiting.handle
+        assert pool.entered.wait(BOUND_S), "the parked unit was never retried"
+        purged = _room(mgr, 11, "ok", 11, 11)  # queued: the one worker is held
+        purged.clear()
+        assert mgr.draining(purged.handle) == 0
+        for slot in held:
+            assert slot is not None and pool.release(slot)
+        skipped = mgr.stats().chunks_skipped
+        pool.go.set()
+        assert conclude(waiting, BOUND_S) is KVPoll.Success
+        assert wait_until(lambda: mgr.stats().chunks_skipped > skipped, BOUND_S), mgr.stats()
+        assert purged.handle not in pool.leases, "a slot was leased for a purged opening"
+        assert mgr.draining(purged.handle) == 0
