@@ -16,6 +16,7 @@ not reuse the destination pages in (see the drain rule in :mod:`sender.driver`).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import random
@@ -436,6 +437,11 @@ class _DelayedTransfer:
             return False
         if released or real is None:
             return True
+        # Its deadline failed it here, not in the real transfer (never polled since the
+        # late post, so not failed by its own deadline either): ask NIXL through a poll, as
+        # the real transfer's settled() does for a write failed by our doing.
+        with contextlib.suppress(Exception):
+            real.poll()
         settled = getattr(real, "settled", None)
         return True if settled is None else bool(settled())
 

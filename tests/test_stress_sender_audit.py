@@ -91,7 +91,7 @@ def test_planted_quarantine_is_caught_by_the_page_audit(tmp_path: Path) -> None:
     """The old fixed quarantine (0 s here) reuses an aborted room's pages while its writes
     are still in flight: they land on pages a later room was verified on."""
     rc, scenario = run_stress(
-        tmp_path, "--duration", "3", "--seed", "4", "--plant-bug", "quarantine",
+        tmp_path, "--duration", "5", "--seed", "4", "--plant-bug", "quarantine",
         phases="abort-in-flight",
     )  # fmt: skip
     assert rc == 1
