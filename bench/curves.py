@@ -79,8 +79,8 @@ if TYPE_CHECKING:
     from bench.throughput import _RawNixl
     from sender.manager import KVManager
     from sender.nixl_sender import NixlKVSender
-    from sender.peer import PeerProcess
     from sender.transport import NixlTransport
+    from stress.harness.peer import PeerProcess
 
 NAME = "curves"
 TITLE = "Per-room sender cost as chunks, sessions and rooms in flight grow, vs bare NIXL"
@@ -394,7 +394,7 @@ class _Rig:
         Raises:
             RuntimeError: bytes differ at the peer.
         """
-        from sender.driver import page_digests
+        from stress.harness.driver import page_digests
 
         shape = verify_shape(preset)
         dsts = self.dsts(shape)
@@ -467,7 +467,7 @@ def measure(preset: Preset) -> BenchResult:
     """Run the benchmark with an explicit preset (tests use tiny ones)."""
     if not _nixl.AVAILABLE:
         return pending_result(NAME, TITLE, f"NIXL not importable: {_nixl.IMPORT_ERROR!r}")
-    from sender.peer import PeerProcess
+    from stress.harness.peer import PeerProcess
 
     started = time.perf_counter()
     pages = peer_pages(preset)

@@ -1,7 +1,7 @@
 """Benchmark ``isolation``: healthy decode peers' room latency while another peer is hung.
 
 Issue 33 (peer isolation): a decode peer that stops answering (here a real
-:class:`sender.peer.PeerProcess` stopped with ``SIGSTOP``: NIXL keeps its writes in progress
+:class:`stress.harness.peer.PeerProcess` stopped with ``SIGSTOP``: NIXL keeps its writes in progress
 for as long as it stays stopped) must cost only its own rooms. This benchmark measures what
 it costs the *healthy* peers' rooms.
 
@@ -62,9 +62,9 @@ if TYPE_CHECKING:
 
     from sender.manager import KVManager
     from sender.nixl_sender import NixlKVSender
-    from sender.peer import PeerProcess
     from sender.transport import NixlTransport
     from staging.buffers import StagingBufferPool
+    from stress.harness.peer import PeerProcess
 
 NAME = "isolation"
 TITLE = "Healthy peers' room latency with one decode peer hung (SIGSTOP) vs none"
@@ -159,9 +159,9 @@ class _Rig:
     def __init__(self, healthy: int, seed: int) -> None:
         import torch
 
-        from sender.peer import PeerProcess
         from sender.transport import NixlTransport
         from staging.buffers import StagingBufferPool
+        from stress.harness.peer import PeerProcess
 
         gen = torch.Generator().manual_seed(seed)
         self.kv: torch.Tensor = torch.randint(
@@ -330,7 +330,7 @@ class _Rig:
 
 
 def _digest_of(kv: torch.Tensor, page: int) -> str:
-    from sender.peer import page_digest_bytes
+    from stress.harness.peer import page_digest_bytes
 
     return page_digest_bytes(kv[page].numpy().tobytes())
 

@@ -2,10 +2,10 @@
 
 The workload of the ``sender-lifecycle`` stress scenario without its fault injection and
 foreign purges, so that only the lock configuration differs between variants: the
-reference scheduler loop (:class:`sender.driver.SchedulerDriver`) drives rooms of 8 chunks
+reference scheduler loop (:class:`stress.harness.driver.SchedulerDriver`) drives rooms of 8 chunks
 x 1 page (4 KiB) through a :class:`sender.manager.KVManager` with 4 transfer workers and a
 16-slot staging pool, over NIXL, to ONE decode peer process
-(:class:`sender.peer.PeerProcess`), 16 rooms in flight.
+(:class:`stress.harness.peer.PeerProcess`), 16 rooms in flight.
 
 Variants, one manager each (all on one transport and one peer), interleaved round by round:
 
@@ -44,11 +44,11 @@ from bench._harness import (
 from sender import _nixl
 
 if TYPE_CHECKING:
-    from sender.driver import DriverConfig, DriverResult, SchedulerDriver
     from sender.manager import KVManager
-    from sender.peer import PeerProcess
     from sender.transport import NixlTransport
     from staging.buffers import StagingBufferPool
+    from stress.harness.driver import DriverConfig, DriverResult, SchedulerDriver
+    from stress.harness.peer import PeerProcess
 
 NAME = "stress-rooms"
 TITLE = "Sender-lifecycle rooms/s over NIXL to a peer process: mutex (default) vs rw vs debug"
@@ -121,10 +121,10 @@ class _Rig:
         self.next_room = 0
 
     def _variant(self, name: str, kind: str, debug: bool) -> _Variant:
-        from sender.driver import SchedulerDriver
         from sender.manager import KVManager
         from staging.buffers import StagingBufferPool
         from staging.context import StagingContext
+        from stress.harness.driver import SchedulerDriver
 
         region = f"staging-{name}"
         pool = StagingBufferPool(STAGING_SLOTS, 1, PAGE_BYTES, debug=debug)
@@ -157,7 +157,7 @@ class _Rig:
             self.tx.close()
 
     def config(self, rooms: int, verify: bool) -> DriverConfig:
-        from sender.driver import DriverConfig
+        from stress.harness.driver import DriverConfig
 
         base = self.next_room
         self.next_room += rooms
@@ -218,7 +218,7 @@ def measure(preset: Preset) -> BenchResult:
     """Run the benchmark with an explicit preset (tests use tiny ones)."""
     if not _nixl.AVAILABLE:
         return pending_result(NAME, TITLE, f"NIXL not importable: {_nixl.IMPORT_ERROR!r}")
-    from sender.peer import PeerProcess
+    from stress.harness.peer import PeerProcess
 
     started = time.perf_counter()
     with PeerProcess(PEER_PAGES, PAGE_BYTES, name="bench-rooms", stderr=subprocess.DEVNULL) as peer:

@@ -3,7 +3,7 @@
 Every case moves the same bytes (16 KiB pages; GB/s = 1e9 B/s) and is timed per operation:
 
 * ``ours`` -- :meth:`sender.transport.NixlTransport.write_pages` to a decode peer in its own
-  process (:class:`sender.peer.PeerProcess`, UCX over CMA), then ``wait()`` and
+  process (:class:`stress.harness.peer.PeerProcess`, UCX over CMA), then ``wait()`` and
   ``release()``. ``notif=None``: a notification costs a message on the control path and
   measures delivery, not throughput; the sender's rooms (``transfer-share``) do use them.
 * ``staged`` (scattered cases) -- :meth:`staging.buffers.StagingBufferPool.gather` of the
@@ -84,9 +84,9 @@ from sender import _nixl
 if TYPE_CHECKING:
     import torch
 
-    from sender.peer import PeerProcess
     from sender.transport import NixlTransport
     from staging.buffers import StagingBufferPool
+    from stress.harness.peer import PeerProcess
 
 NAME = "throughput"
 TITLE = "Cross-process NIXL (our transport) vs torch copy_ of the same bytes, GB/s"
@@ -558,7 +558,7 @@ class _Rig:
         Raises:
             RuntimeError: bytes differ at the peer.
         """
-        from sender.driver import page_digests
+        from stress.harness.driver import page_digests
 
         for case in cases:
             want = page_digests(self.kv[case.src.tolist()])
@@ -669,7 +669,7 @@ def measure(preset: Preset) -> BenchResult:
         return pending_result(NAME, TITLE, f"NIXL not importable: {_nixl.IMPORT_ERROR!r}")
     import torch
 
-    from sender.peer import PeerProcess
+    from stress.harness.peer import PeerProcess
 
     default_threads = torch.get_num_threads()
     cases = make_cases()

@@ -1,7 +1,7 @@
 """Benchmark ``transfer-share``: the bookkeeping share of a real NIXL transfer.
 
 One room = 8 chunks of 1 MiB (16 pages of 64 KiB each) sent over NIXL to a decode peer in
-its own process (:class:`sender.peer.PeerProcess`). Measured side by side, round by round:
+its own process (:class:`stress.harness.peer.PeerProcess`). Measured side by side, round by round:
 
 * ``sender`` -- the room through the full sender path: :class:`sender.nixl_sender.NixlKVSender`
   on a :class:`sender.manager.KVManager` (``make_transfer_info``, the sender, ``init``, 8
@@ -72,9 +72,9 @@ if TYPE_CHECKING:
     import torch
 
     from sender.manager import KVManager, PageArray, TransportLike
-    from sender.peer import PeerProcess
     from sender.transport import PageIndices
     from staging.buffers import StagingBufferPool, StagingSlot
+    from stress.harness.peer import PeerProcess
 
 NAME = "transfer-share"
 TITLE = "Bookkeeping share of a real transfer: 8 x 1 MiB room over NIXL to a peer process"
@@ -375,7 +375,7 @@ class _Rig:
         Raises:
             RuntimeError: the bytes at the peer differ from the source pages.
         """
-        from sender.driver import page_digests
+        from stress.harness.driver import page_digests
 
         self.peer.zero_pages(plan.dst.tolist())
         self.sender_room("sender", path, plan, dict.fromkeys(CALLS, 0))
@@ -445,7 +445,7 @@ def measure(preset: Preset) -> BenchResult:
     """Run the benchmark with an explicit preset (tests use tiny ones)."""
     if not _nixl.AVAILABLE:
         return pending_result(NAME, TITLE, f"NIXL not importable: {_nixl.IMPORT_ERROR!r}")
-    from sender.peer import PeerProcess
+    from stress.harness.peer import PeerProcess
 
     overhead_ns = timer_overhead_ns()
     started = time.perf_counter()

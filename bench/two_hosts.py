@@ -208,8 +208,8 @@ def child_main(argv: Sequence[str]) -> int:
     import numpy as np
     import torch
 
-    from sender.peer import PeerProcess, page_digest_bytes
     from sender.transport import NixlTransport
+    from stress.harness.peer import PeerProcess, page_digest_bytes
     from stress.netns import TwoHostLink
 
     link = TwoHostLink.from_json(args.link)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from staging._version import __version__, install_extra_hint
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     )
     from sender.manager import KVManager, ManagerStats, TransferInfo, make_transfer_info
     from sender.nixl_sender import NixlKVSender
-    from sender.peer import DecodePeer, PeerProcess
     from sender.poll import KVPoll
     from sender.transport import NixlTransport
 
@@ -40,8 +40,6 @@ _EXPORTS = {
     "NixlKVSender": "sender.nixl_sender",
     "KVPoll": "sender.poll",
     "NixlTransport": "sender.transport",
-    "DecodePeer": "sender.peer",
-    "PeerProcess": "sender.peer",
     "TRANSPORT_ERRORS": "sender.errors",
     "KVTransferError": "sender.errors",
     "RoomNotFailedError": "sender.errors",
@@ -49,18 +47,20 @@ _EXPORTS = {
 }
 """Public name -> the module that defines it (imported lazily by :func:`__getattr__`)."""
 
+_MOVED = {"DecodePeer": "stress.harness.peer", "PeerProcess": "stress.harness.peer"}
+"""Deprecated names -> their module now: the decode peer is test harness, not the sender.
+``sender.DecodePeer`` still resolves, with a :class:`DeprecationWarning`."""
+
 __all__ = [  # a literal, for linters; == the two constants, __version__ and _EXPORTS
     "EXTRA_MODULES",
     "NIXL_BACKENDS",
     "TRANSPORT_ERRORS",
-    "DecodePeer",
     "KVManager",
     "KVPoll",
     "KVTransferError",
     "ManagerStats",
     "NixlKVSender",
     "NixlTransport",
-    "PeerProcess",
     "RoomNotFailedError",
     "TransferInfo",
     "TransportError",
@@ -76,6 +76,14 @@ def __getattr__(name: str) -> Any:
         AttributeError: not an exported name.
     """
     module = _EXPORTS.get(name)
+    if module is None and name in _MOVED:
+        module = _MOVED[name]
+        warnings.warn(
+            f"sender.{name} moved to {module}.{name} (the decode peer is test harness)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), name)
     if module is None:
         raise AttributeError(f"module 'sender' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

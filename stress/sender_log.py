@@ -4,10 +4,11 @@ A stress run fails rooms on purpose (killed and stopped peers, injected transpor
 the sender logs one ``WARNING`` per failed room (docs/LOGGING.md): a passing ``make stress``
 fails some thousands. Printed, they would bury the report and break the progress line, as the
 NIXL lines did (:mod:`stress.native_stderr`). :class:`SenderLog` takes them instead: while it
-is started, the ``sender`` and ``staging`` loggers hand their records to it and stop
-propagating; it counts them by logger, level and message template (``record.msg``, the format
-string before its arguments, so each kind of line is one row) and keeps the first few
-formatted lines of each kind as examples. ``--sender-log show`` leaves logging alone.
+is started, the ``sender``, ``staging`` and ``stress.harness`` loggers hand their records to
+it and stop propagating; it counts them by logger, level and message template
+(``record.msg``, the format string before its arguments, so each kind of line is one row) and
+keeps the first few formatted lines of each kind as examples.
+``--sender-log show`` leaves logging alone.
 
 Thread safety: records arrive from any thread; ``logging.Handler.handle`` calls :meth:`emit`
 under the handler's own lock, and :meth:`SenderLog.take` reads and resets the counts under
@@ -21,8 +22,9 @@ from collections import Counter
 
 from stress.native_stderr import NativeLines
 
-LOGGERS = ("sender", "staging")
-"""The loggers captured: the library's two packages (every module logs under one of them)."""
+LOGGERS = ("sender", "staging", "stress.harness")
+"""The loggers captured: the library's two packages and the harness (the decode peer and the
+fault injector log under it)."""
 
 EXAMPLES_PER_KIND = 2
 """Formatted lines kept per kind."""

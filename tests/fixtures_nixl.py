@@ -48,7 +48,7 @@ class SenderPool:
 
     def digests(self, pages: Any) -> list[str]:
         """Digests of ``pages`` in the format of ``DecodePeer.page_digest``."""
-        from sender.peer import page_digest_bytes
+        from stress.harness.peer import page_digest_bytes
 
         return [page_digest_bytes(self.pool[int(p)].numpy().tobytes()) for p in pages]
 
@@ -91,7 +91,7 @@ def sender_pool(nixl_required: None) -> Iterator[SenderPool]:
 @pytest.fixture
 def decode_peer(nixl_required: None) -> Iterator[Any]:
     """An in-process DecodePeer with ``NUM_PAGES x PAGE_BYTES`` pages, closed at teardown."""
-    from sender.peer import DecodePeer
+    from stress.harness.peer import DecodePeer
 
     peer = DecodePeer("decode-inproc", NUM_PAGES, PAGE_BYTES)
     try:
@@ -106,7 +106,7 @@ def peer_factory(nixl_required: None) -> Iterator[Callable[..., Any]]:
 
     Every process made is reaped at teardown (``close()`` escalates to SIGKILL).
     """
-    from sender.peer import PeerProcess
+    from stress.harness.peer import PeerProcess
 
     made: list[PeerProcess] = []
 

@@ -5,7 +5,8 @@ by a plain Python call (read a lock's state, then acquire it) is not among them,
 real-thread race at a 1 µs switch interval depends on the machine's load to be seen. This
 explorer does not: two real threads run the same object's code, and the *first* is stopped,
 for each ``k`` in turn, at its ``k``-th *scheduling point* — every ``line`` and ``return``
-event of a frame whose code is in this repository's ``sender/`` or ``staging/`` packages
+event of a frame whose code is in this repository's ``sender/``, ``staging/`` or
+``stress/harness/`` packages (the harness's decode peer is explored too)
 (a ``return`` event comes after the returned value was computed, so stopping there splits a
 call from whatever its caller does next). While the first thread is stopped the second runs
 to its end; then the first finishes. ``k = 0`` runs the second thread first. That is every
@@ -34,8 +35,12 @@ from types import FrameType
 from typing import Any, Generic, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACED_DIRS = tuple(str(ROOT / name) + os.sep for name in ("sender", "staging"))
-"""Frames whose code file is under one of these are traced (the library's own code)."""
+TRACED_DIRS = tuple(
+    str(ROOT.joinpath(*parts)) + os.sep
+    for parts in (("sender",), ("staging",), ("stress", "harness"))
+)
+"""Frames whose code file is under one of these are traced (the library's own code and the
+harness's decode peer)."""
 
 T = TypeVar("T")
 

@@ -37,12 +37,12 @@ import pytest
 import torch
 
 from sender.errors import TRANSPORT_ERRORS, KVTransferError, TransferTimeoutError
-from sender.faults import nixl_error
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from staging.buffers import StagingBufferPool, StagingSlot
 from staging.context import RoomHandle, StagingContext
+from stress.harness.faults import nixl_error
 from tests.fixtures_nixl import PAGE_BYTES, SenderPool, requires_nixl
 from tests.polling import conclude, wait_until
 
@@ -157,7 +157,7 @@ class Rig:
     """The sender transport + pool (``sp``) and an in-process decode peer added as SESSION."""
 
     sp: SenderPool
-    peer: Any  # sender.peer.DecodePeer
+    peer: Any  # stress.harness.peer.DecodePeer
 
     @property
     def tx(self) -> Any:

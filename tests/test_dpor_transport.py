@@ -105,7 +105,7 @@ _PROC: Any = None
 @pytest.fixture(scope="module")
 def peer_metadata() -> Iterator[bytes]:
     from sender import _nixl
-    from sender.peer import DecodePeer
+    from stress.harness.peer import DecodePeer
 
     global _PROC
     assert _nixl.bindings is not None

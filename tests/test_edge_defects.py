@@ -30,7 +30,6 @@ import pytest
 import torch
 
 from sender import _nixl
-from sender.faults import nixl_error
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.notices import MAX_NOTICE_BYTES, RoomNotice, decode_notice
@@ -38,6 +37,7 @@ from sender.poll import KVPoll
 from sender.transport import NixlTransport
 from staging.buffers import StagingBufferPool, StagingSlot
 from staging.context import StagingContext
+from stress.harness.faults import nixl_error
 from tests.fixtures_nixl import requires_nixl
 from tests.polling import conclude, wait_until
 

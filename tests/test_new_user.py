@@ -255,7 +255,7 @@ _SHUTDOWN_SCRIPT = """
 import sys, time, torch
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
-from sender.peer import DecodePeer
+from stress.harness.peer import DecodePeer
 from sender.transport import NixlTransport
 n = int(sys.argv[1])
 kv = torch.randint(0, 256, (64, 1024), dtype=torch.uint8)

@@ -41,8 +41,8 @@ def test_import_sender_exports_the_basic_names_lazily() -> None:
         "import sender\n"
         "heavy = [m for m in ('torch', 'sender.manager', 'sender.transport') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
-        "from sender import (TRANSPORT_ERRORS, DecodePeer, KVManager, KVPoll, NixlKVSender,\n"
-        "                    NixlTransport, PeerProcess, make_transfer_info)\n"
+        "from sender import (TRANSPORT_ERRORS, KVManager, KVPoll, NixlKVSender,\n"
+        "                    NixlTransport, make_transfer_info)\n"
         "from sender.manager import KVManager as K\n"
         "assert KVManager is K and isinstance(TRANSPORT_ERRORS, tuple)\n"
         "want = {'EXTRA_MODULES', 'NIXL_BACKENDS', '__version__', *sender._EXPORTS}\n"
@@ -59,8 +59,18 @@ def test_import_sender_exports_the_basic_names_lazily() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=50, cwd=ROOT)
 
 
+def test_the_decode_peer_moved_to_the_harness_with_a_deprecation() -> None:
+    import sender
+    from stress.harness.peer import DecodePeer, PeerProcess
+
+    for name, cls in (("DecodePeer", DecodePeer), ("PeerProcess", PeerProcess)):
+        with pytest.warns(DeprecationWarning, match=f"stress.harness.peer.{name}"):
+            assert getattr(sender, name) is cls
+        assert name not in sender.__all__
+
+
 def test_peer_process_metadata_reads_as_bytes_and_calls_like_decode_peer() -> None:
-    from sender.peer import DecodePeer, MetadataBytes, PeerProcess
+    from stress.harness.peer import DecodePeer, MetadataBytes, PeerProcess
 
     blob = MetadataBytes(b"NXSTG\x01...")
     assert blob == b"NXSTG\x01..." and isinstance(blob, bytes)
@@ -76,7 +86,8 @@ def test_both_peers_hand_metadata_to_add_peer_the_same_way() -> None:
 
     if not _nixl.AVAILABLE:
         pytest.skip(f"NIXL not importable: {_nixl.IMPORT_ERROR!r}")
-    from sender import DecodePeer, NixlTransport, PeerProcess
+    from sender import NixlTransport
+    from stress.harness.peer import DecodePeer, PeerProcess
 
     with (
         NixlTransport("surface-tx") as tx,
@@ -93,8 +104,8 @@ MAIN_CLASSES = [
     ("sender.manager", "KVManager"),
     ("sender.nixl_sender", "NixlKVSender"),
     ("sender.transport", "NixlTransport"),
-    ("sender.peer", "DecodePeer"),
-    ("sender.peer", "PeerProcess"),
+    ("stress.harness.peer", "DecodePeer"),
+    ("stress.harness.peer", "PeerProcess"),
     ("staging.context", "StagingContext"),
     ("staging.compat", "CompatStagingContext"),
     ("staging.buffers", "StagingBufferPool"),

@@ -5,7 +5,7 @@ and the decode peer's log of landed writes (issue 23, section 1).
   send the same prefill page send the same bytes, so it named the last room in the page's
   history with those bytes even when another room (given another page) had sent them too.
   :func:`test_shared_prefill_bytes_are_not_pinned_on_a_room` feeds it such a history.
-* Stamped sources (:mod:`sender.stamps`) make every write's bytes unique: the audit then
+* Stamped sources (:mod:`stress.harness.stamps`) make every write's bytes unique: the audit then
   names the one write, and tells a stale write (a room given the page before the verified
   one) from a misdirected one (bytes meant for another page).
 * A planted real overwrite (a stale stamped write landing after the page was handed on and
@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from sender.driver import DriverConfig, RoomOutcome, SchedulerDriver
-from sender.landings import LandingLog
 from sender.manager import KVManager
 from sender.poll import KVPoll
-from sender.stamps import STAMP_BYTES, Stamp, StampedSources, make_stamp, read_stamp
+from stress.harness.driver import DriverConfig, RoomOutcome, SchedulerDriver
+from stress.harness.landings import LandingLog
+from stress.harness.stamps import STAMP_BYTES, Stamp, StampedSources, make_stamp, read_stamp
 from stress.scenarios._page_audit import PageAudit
 from tests.fixtures_nixl import NUM_PAGES, SenderPool, requires_nixl
 
@@ -161,7 +161,7 @@ def test_late_landing_is_found_in_the_order_of_the_landing_log() -> None:
     are not reported: each opening after the one before, a write landing twice in a row, an
     unstamped change (zeroed), a write of an opening not in the page's history (misdirected:
     the final-bytes audit's business), other pages."""
-    from sender.landings import Landing
+    from stress.harness.landings import Landing
 
     audit = PageAudit(SRC)
     for room, t, status in ((1, 1.0, KVPoll.Failed), (2, 2.0, KVPoll.Success),
@@ -265,7 +265,7 @@ def test_planted_stale_write_over_real_nixl_is_caught_and_named(
     handed to the next room at once. The next room succeeds and is verified; then the stale
     write lands. The audit must report it, naming the aborted opening by its stamp. With the
     drain rule nothing is reported (the same delays, the same rooms)."""
-    from sender.faults import FaultInjectingTransport
+    from stress.harness.faults import FaultInjectingTransport
 
     sender_pool.transport.add_peer("s", decode_peer.metadata())
     injector = FaultInjectingTransport(sender_pool.transport, seed=5)

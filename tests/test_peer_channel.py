@@ -1,4 +1,4 @@
-"""The decode peer's control channel (``sender.peer``) against hostile or broken clients.
+"""The decode peer's control channel (``stress.harness.peer``) against hostile or broken clients.
 
 Frames are bounded per command and read incrementally; every bad frame gets an
 ``{"ok": false, "error": ...}`` reply; the server keeps serving (or closes that one
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from sender.peer import DecodePeer, PeerProcess, PeerServer
+from stress.harness.peer import DecodePeer, PeerProcess, PeerServer
 from tests.fixtures_nixl import requires_nixl
 
 pytestmark = [pytest.mark.nixl, requires_nixl]

@@ -1,4 +1,5 @@
-"""``python -m sender.peer``'s command line, and ``DecodePeer.metadata()`` after ``close()``.
+"""``python -m stress.harness.peer``'s command line, and ``DecodePeer.metadata()`` after
+``close()``.
 
 * ``--help`` and bad arguments are answered before NIXL, torch or numpy are imported (checked
   with ``-X importtime``, which lists every module a process imports: no clock involved);
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sender._peer_args import build_parser
+from stress.harness._peer_args import build_parser
 from tests.fixtures_nixl import requires_nixl
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,11 +27,11 @@ HEAVY = ("torch", "nixl", "numpy")
 
 
 def _peer_cli(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
-    """Run ``python -X importtime -m sender.peer ARGS``; returns the process and the set of
+    """Run ``python -X importtime -m stress.harness.peer ARGS``; returns the process and the set of
     top-level modules it imported."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "sender.peer", *args],
+        [sys.executable, "-X", "importtime", "-m", "stress.harness.peer", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -49,9 +50,9 @@ def _peer_cli(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
 def test_help_imports_neither_torch_nor_nixl() -> None:
     proc, imported = _peer_cli("--help")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage: python -m sender.peer" in proc.stdout
+    assert "usage: python -m stress.harness.peer" in proc.stdout
     assert imported, "no -X importtime lines: the check would prove nothing"
-    assert "sender" in imported  # the import lines were parsed
+    assert "stress" in imported  # the import lines were parsed
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
 
 
@@ -83,7 +84,7 @@ def test_help_shows_no_default_none_and_none_on_required_options() -> None:
 @pytest.mark.nixl
 def test_metadata_after_close_raises_a_clear_error() -> None:
     from sender.errors import TransportClosedError
-    from sender.peer import DecodePeer
+    from stress.harness.peer import DecodePeer
 
     peer = DecodePeer("decode-metadata-close", 4, 4096)
     try:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from sender.errors import TRANSPORT_ERRORS, TransferReleasedError, TransferTimeoutError
-from sender.peer import PeerError, PeerProcess
+from stress.harness.peer import PeerError, PeerProcess
 from tests.fixtures_nixl import NUM_PAGES, SenderPool, requires_nixl
 from tests.polling import wait_until
 

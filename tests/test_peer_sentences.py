@@ -1,4 +1,4 @@
-"""Sentences of the decode peer's contract (``sender.peer.DecodePeer``; docs/PROTOCOL.md
+"""Sentences of the decode peer's contract (``stress.harness.peer.DecodePeer``; docs/PROTOCOL.md
 section 3, docs/THREADING.md's guarantee table) that an outside set of planted bugs got past
 (issue 23, section 3), each over real NIXL (an in-process decode peer, a sender transport
 sending real room notices to it); the planted violations are ``make mutants`` ids in
@@ -33,7 +33,7 @@ past it, the notice was not learnt."""
 @pytest.fixture
 def linked(nixl_required: None) -> Iterator[tuple[Any, SenderPool]]:
     """An in-process DecodePeer and a sender transport linked to it as session ``"d"``."""
-    from sender.peer import DecodePeer
+    from stress.harness.peer import DecodePeer
 
     peer = DecodePeer("decode-sentences", 16, 64)
     sp = make_sender_pool(16, 64)

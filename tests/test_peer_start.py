@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from sender.peer import PeerError, PeerProcess, PeerStartError
+from stress.harness.peer import PeerError, PeerProcess, PeerStartError
 from tests.fixtures_nixl import requires_nixl
 
 pytestmark = [pytest.mark.nixl, requires_nixl, pytest.mark.timeout(90)]

@@ -17,8 +17,8 @@ import numpy.typing as npt
 import pytest
 
 from sender.errors import TRANSPORT_ERRORS, TransferTimeoutError
-from sender.peer import PeerProcess
 from sender.transport import NixlTransport, Transfer, decode_metadata
+from stress.harness.peer import PeerProcess
 from tests.fixtures_nixl import NUM_PAGES, PAGE_BYTES, SenderPool, requires_nixl
 
 pytestmark = [pytest.mark.nixl, requires_nixl]

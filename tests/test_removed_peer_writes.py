@@ -132,8 +132,8 @@ def _child() -> int:
     import numpy as np
     import torch
 
-    from sender.peer import PeerProcess
     from sender.transport import NixlTransport
+    from stress.harness.peer import PeerProcess
     from stress.netns import TwoHostLink
 
     link = TwoHostLink.from_json(sys.argv[1])

@@ -3,7 +3,7 @@ before ``Success`` (wire format and decode-side contract: docs/PROTOCOL.md secti
 
 * the wire format (``sender.notices``): round trip, and refusal of malformed messages and of
   other versions (unit, no NIXL);
-* the decode side (``sender.peer.DecodePeer``, in process over real NIXL): notices are kept
+* the decode side (``stress.harness.peer.DecodePeer``, in process over real NIXL): notices are kept
   apart from per-transfer notifications, malformed ones are counted and dropped without
   stopping the pump, the history is capped, assigned pages are freed by a notice;
 * the control channel (``PeerProcess``): paged ``room_notices`` and the page ledger;
@@ -104,7 +104,7 @@ def _notice(room: int, gen: int, outcome: str = "failed", code: str = "aborted")
 def linked_peer(nixl_required: None) -> Iterator[tuple[Any, SenderPool]]:
     """An in-process DecodePeer (history capped at 4) and a sender transport linked to it
     as session ``"d"``."""
-    from sender.peer import DecodePeer
+    from stress.harness.peer import DecodePeer
 
     peer = DecodePeer("decode-notices", 16, 64, max_failed_rooms=4)
     sp = make_sender_pool(16, 64)
@@ -179,7 +179,7 @@ def shared_peer() -> Iterator[Any]:
 
     if not _nixl.AVAILABLE:
         pytest.skip(f"NIXL not importable: {_nixl.IMPORT_ERROR!r}")
-    from sender.peer import PeerProcess
+    from stress.harness.peer import PeerProcess
 
     proc = PeerProcess(64, PAGE_BYTES, name="decode-notices", start_timeout_s=60.0)
     try:
@@ -193,8 +193,8 @@ class _Sender:
     writes) and a manager; everything closed by :meth:`close`."""
 
     def __init__(self, peer: Any, session: str = "d", **mgr_kw: Any) -> None:
-        from sender.faults import FaultInjectingTransport
         from sender.manager import KVManager
+        from stress.harness.faults import FaultInjectingTransport
 
         self.session = session
         self.sp = make_sender_pool(64, PAGE_BYTES)
@@ -403,7 +403,7 @@ def test_notices_to_a_dead_peer_are_counted_and_never_block_or_raise(
 def test_control_channel_pages_the_notice_history(
     shared_peer: Any, make_sender: Callable[..., _Sender]
 ) -> None:
-    from sender.peer import PeerError
+    from stress.harness.peer import PeerError
 
     peer = shared_peer
     s = make_sender(peer, notify_decode=False)
@@ -477,6 +477,48 @@ def test_decode_told_check_catches_missing_wrong_and_unwanted_notices(
     assert any("502" in e and "not known" in e for e in report.examples)
 
 
+@requires_nixl
+@pytest.mark.nixl
+@pytest.mark.timeout(60)
+def test_decode_told_judges_a_room_aborted_after_success_as_a_success(
+    shared_peer: Any, make_sender: Callable[..., _Sender]
+) -> None:
+    """A room that concluded ``Success`` inside the manager before the scheduler's ``abort()``
+    (its last chunk ended between two scheduler steps) is purged ``Failed`` but is never
+    notified (docs/PROTOCOL.md): ``decode-told`` must not call it missing, and must still
+    call a "failed" notice of it a violation. (The check once judged it by the purge's
+    status alone: two-hosts' notice rounds failed with "never sent" beside CPU hogs.)"""
+    from sender.poll import KVPoll
+    from stress.framework import Monitor
+    from stress.invariants import DECODE_TOLD
+    from stress.scenarios._sender_rig import NoticeTracker, TrackedManager
+
+    peer = shared_peer
+    s = make_sender(peer)
+    s.mgr.close()
+    tracker = NoticeTracker()
+    s.mgr = TrackedManager(s.injector, s.sp.pool, num_workers=2, tracker=tracker)
+    senders = {room: s.sender(room, [50 + room - 700]) for room in (700, 701)}
+    for snd in senders.values():
+        snd.send([1])
+    # Success inside the manager, not yet seen by a poll; then the scheduler gives it up.
+    assert _wait(lambda: all(s.mgr.status(r) is KVPoll.Success for r in senders), 5.0)
+    for snd in senders.values():
+        snd.abort()
+        assert snd.poll() is KVPoll.Failed
+        with pytest.raises(Exception, match="aborted"):
+            snd.failure_exception()
+    gen = senders[701].handle.generation
+    s.tx.send_notif(s.session, _notice(701, gen, "failed", "aborted"))  # told, wrongly
+    s.mgr.close()
+    assert s.mgr.stats().notices_queued == 0  # neither is notified by the manager
+    monitor = Monitor("t", [DECODE_TOLD], duration_s=1.0, watchdog_s=10.0)
+    counts = tracker.check(monitor, {s.session: peer}, s.mgr)
+    report = {r.name: r for r in monitor.reports()}[DECODE_TOLD]
+    assert (counts["judged"], counts["missing"], counts["success_told"]) == (0, 0, 1), counts
+    assert report.violations == 1 and "701" in report.examples[0], report.examples
+
+
 # --------------------------------------------------------------------------- stress check
 
 
@@ -543,10 +585,10 @@ def test_close_withholds_the_notice_of_a_room_whose_writes_it_abandoned() -> Non
     ``cleared`` with the pages still zero, and the bytes landed 0.7 s later."""
     import torch
 
-    from sender.faults import FaultInjectingTransport
     from sender.manager import KVManager, make_transfer_info
     from sender.nixl_sender import NixlKVSender
-    from sender.peer import DecodePeer
+    from stress.harness.faults import FaultInjectingTransport
+    from stress.harness.peer import DecodePeer
 
     sp = make_sender_pool(64, PAGE_BYTES)
     peer = DecodePeer("d-abandon", 64, PAGE_BYTES)

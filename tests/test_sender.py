@@ -1,7 +1,7 @@
 """NixlKVSender and KVManager over real in-process NIXL agents (UCX on loopback).
 
 A "decode" transport with a registered KV pool receives; the prefill transport sends.
-Faults are injected by wrapping the real transport (``sender.faults``).
+Faults are injected by wrapping the real transport (``stress.harness.faults``).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import torch
 
 from sender import _nixl
 from sender.errors import TRANSPORT_ERRORS, KVTransferError
-from sender.faults import FaultInjectingTransport, nixl_error
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from sender.transport import NixlTransport
 from staging import RoomAlreadyOpenError
 from staging.buffers import StagingBufferPool
+from stress.harness.faults import FaultInjectingTransport, nixl_error
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
 

@@ -216,9 +216,9 @@ def test_write_and_wait_arguments(pair: tuple[NixlTransport, NixlTransport, torc
 
 
 def _peer_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """Run ``python -m sender.peer``'s entry point in-process (argument errors exit before
+    """Run ``python -m stress.harness.peer``'s entry point in-process (argument errors exit before
     anything starts); returns (exit status, stdout, stderr)."""
-    from sender.peer import main
+    from stress.harness.peer import main
 
     with pytest.raises(SystemExit) as info:
         main(list(args))

@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from sender.driver import DriverConfig, DriverResult, SchedulerDriver
 from sender.manager import KVManager, PageArray
-from sender.peer import PeerProcess
 from sender.poll import KVPoll
 from sender.transport import NixlTransport
 from staging.buffers import StagingBufferPool
 from staging.context import RoomHandle
+from stress.harness.driver import DriverConfig, DriverResult, SchedulerDriver
+from stress.harness.peer import PeerProcess
 from stress.scenarios._lag_probe import LagProbe
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]

@@ -378,7 +378,7 @@ class _Spy:
 
 @pytest.fixture(scope="module")
 def shared_transport() -> Any:
-    from sender.peer import DecodePeer
+    from stress.harness.peer import DecodePeer
     from tests.fixtures_nixl import make_sender_pool
 
     sp = make_sender_pool(256)

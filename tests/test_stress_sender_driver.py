@@ -22,19 +22,19 @@ from typing import Any, NoReturn
 import numpy as np
 import pytest
 
-from sender.driver import (
+from sender.errors import TRANSPORT_ERRORS, KVTransferError
+from sender.manager import KVManager
+from sender.nixl_sender import NixlKVSender
+from sender.poll import KVPoll
+from staging.context import RoomHandle
+from stress.harness.driver import (
     CONTRACT_PREFIX,
     DriverConfig,
     RoomOutcome,
     SchedulerDriver,
     judge_failure,
 )
-from sender.errors import TRANSPORT_ERRORS, KVTransferError
-from sender.faults import FaultInjectingTransport, nixl_error
-from sender.manager import KVManager
-from sender.nixl_sender import NixlKVSender
-from sender.poll import KVPoll
-from staging.context import RoomHandle
+from stress.harness.faults import FaultInjectingTransport, nixl_error
 from stress.scenarios._page_audit import PageAudit
 from tests.fixtures_nixl import NUM_PAGES, SenderPool, requires_nixl
 

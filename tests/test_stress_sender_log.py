@@ -100,7 +100,7 @@ def test_report_table_and_json_show_the_counts() -> None:
     try:
         logging.getLogger("sender.manager").warning(FAILED, 3, 4, "d", "peer-failed", "gone")
         first = _result("peer-faults", log)
-        logging.getLogger("sender.peer").error("control channel: %s", "accept loop failed")
+        logging.getLogger("stress.harness.peer").error("control channel: %s", "accept loop failed")
         second = _result("two-hosts", log)
     finally:
         log.stop()
@@ -111,7 +111,7 @@ def test_report_table_and_json_show_the_counts() -> None:
     doc = document(StressConfig(seed=1), [first, second])
     assert doc["sender_log"] == {
         f"sender.manager WARNING: {FAILED}": 1,
-        "sender.peer ERROR: control channel: %s": 1,
+        "stress.harness.peer ERROR: control channel: %s": 1,
     }
     scenario = first.to_json()["sender_log"]
     assert isinstance(scenario, dict) and scenario["counts"] == {
@@ -123,6 +123,8 @@ def test_report_table_and_json_show_the_counts() -> None:
 def test_a_kinds_level_is_read_back_from_it() -> None:
     from stress.sender_log import kind_of, level_of
 
-    record = logging.LogRecord("sender.peer", logging.ERROR, "f.py", 1, "boom: %s", ("x",), None)
+    record = logging.LogRecord(
+        "stress.harness.peer", logging.ERROR, "f.py", 1, "boom: %s", ("x",), None
+    )
     assert level_of(kind_of(record)) == "ERROR"
     assert level_of("no level here") == ""

@@ -161,7 +161,7 @@ def test_link_json_round_trip_does_not_own() -> None:
 def test_peer_cli_listens_elsewhere_only_with_allow_host(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from sender.peer import main
+    from stress.harness.peer import main
 
     for args, match in [
         (("--listen", "10.213.0.2:0"), "only 127.0.0.1"),
@@ -175,7 +175,7 @@ def test_peer_cli_listens_elsewhere_only_with_allow_host(
 
 
 def test_peer_process_refuses_unreachable_addresses() -> None:
-    from sender.peer import PeerError, PeerProcess
+    from stress.harness.peer import PeerError, PeerProcess
 
     with pytest.raises(PeerError, match="cannot be reached"):
         PeerProcess(4, 4096, netns="nxstg2h-1-1")  # 127.0.0.1 is the namespace's own
@@ -189,7 +189,7 @@ def test_peer_process_refuses_unreachable_addresses() -> None:
 def test_peer_in_namespace_serves_over_the_link(link: TwoHostLink) -> None:
     """A peer process inside the namespace, reached on its address; the child is our own
     child (signals reach it) and its control channel crosses the veth."""
-    from sender.peer import PeerProcess
+    from stress.harness.peer import PeerProcess
 
     before = link.counters()
     with PeerProcess(8, 4096, netns=link.netns, host=link.peer_addr, env=link.peer_env()) as p:

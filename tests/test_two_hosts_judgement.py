@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from sender.driver import RoomOutcome
 from sender.poll import KVPoll
 from stress.framework import Monitor
+from stress.harness.driver import RoomOutcome
 from stress.scenarios._conclusions import ConclusionClock
 from stress.scenarios._lag_probe import LagProbe
 from stress.scenarios._nixl_calls import SlowCalls

@@ -25,7 +25,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="stamps-src-back-early",
-        file="sender/driver.py",
+        file="stress/harness/driver.py",
         original="        pool.held.append(_Held(handle, pages, release_at, src))\n",
         replacement=(
             "        pool.held.append(_Held(handle, pages, release_at, None))\n"

@@ -191,7 +191,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="peer-notice-dedup-by-room",
-        file="sender/peer.py",
+        file="stress/harness/peer.py",
         original="""\
         key = (notice.room, notice.gen)
         if key in self._failed:
@@ -208,7 +208,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         id="peer-assign-reads-failed-before-the-lock",
-        file="sender/peer.py",
+        file="stress/harness/peer.py",
         original="""\
         idx = tuple(int(p) for p in self._indices(pages))
         with self._cond:

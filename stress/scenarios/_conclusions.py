@@ -1,6 +1,6 @@
 """When the *sender* concluded each room, as opposed to when the harness's scheduler noticed.
 
-A :class:`~sender.driver.RoomOutcome`'s ``concluded_at`` is taken by the driver on the
+A :class:`~stress.harness.driver.RoomOutcome`'s ``concluded_at`` is taken by the driver on the
 scheduler thread, after its own work for the room (a bytes check over the peer's control
 channel). A bound on the sender is judged by the sender's own time: :class:`ConclusionClock`
 is a manager listener (:class:`~sender.events.ManagerEvents`) that notes ``time.monotonic()``

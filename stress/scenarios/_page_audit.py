@@ -1,8 +1,8 @@
 """The decode page audit: which room's bytes must each decode page hold at the end of a run?
 
-Every concluded room (a :class:`~sender.driver.RoomOutcome`) is recorded with the decode pages
-it was given, the prefill pages it sends there and whether its bytes were verified at the peer.
-The driver hands a page to a new room only when the previous one is finished with it (its
+Every concluded room (a :class:`~stress.harness.driver.RoomOutcome`) is recorded with the decode
+pages it was given, the prefill pages it sends there and whether its bytes were verified at the
+peer. The driver hands a page to a new room only when the previous one is finished with it (its
 purge returned and nothing of it still drains), so the uses of one page are ordered by when
 their rooms were admitted. After the run, once every transfer drained, the page's digest at
 the peer is read and judged against its history:
@@ -21,7 +21,7 @@ same prefill page send the same bytes, so without stamps it names a prefill page
 The finding then lists every recorded room that sent those bytes anywhere (``ambiguous``
 when more than one did) instead of naming the last one in the page's history (which named a
 failed room as the writer of bytes that a later room, given another page, had sent just as
-well). With stamped sources (:mod:`sender.stamps`: each room's bytes carry its opening,
+well). With stamped sources (:mod:`stress.harness.stamps`: each room's bytes carry its opening,
 chunk and intended decode page; ``RoomOutcome.sent_digests``) the digest names one write,
 and the audit also reads the page's stamp (``read``): a *misdirected* write (bytes meant for
 another decode page) is told apart from a *stale* one (a room given this page before V).
@@ -36,10 +36,10 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from sender.driver import DigestFn, RoomOutcome
-from sender.landings import Landing
 from sender.poll import KVPoll
-from sender.stamps import read_stamp
+from stress.harness.driver import DigestFn, RoomOutcome
+from stress.harness.landings import Landing
+from stress.harness.stamps import read_stamp
 
 ReadFn = Callable[[str, Sequence[int]], bytes]
 """``read(session_id, pages) -> the pages' bytes``, concatenated (the peer's ``read_pages``)."""
@@ -103,7 +103,7 @@ class PageAudit:
     """Optional: read a violating page's bytes to name the write by its stamp."""
     explain: Callable[[str, int], str] | None = None
     """Optional: more about a violating page ``(session, page)`` for the finding's text (e.g.
-    the peer's log of the writes that landed there, :mod:`sender.landings`)."""
+    the peer's log of the writes that landed there, :mod:`stress.harness.landings`)."""
 
     def record(self, outcome: RoomOutcome) -> None:
         """Add a concluded room's pages to their histories. Thread-safe."""
@@ -211,7 +211,7 @@ class PageAudit:
 
     def late_landings(self, sid: str, landings: Sequence[Landing]) -> list[str]:
         """Judge the order of the writes that landed on the session's pages (the peer's log,
-        :mod:`sender.landings`, of its current process): on each page, a stamped write of an
+        :mod:`stress.harness.landings`, of its current process): on each page, a stamped write of an
         opening given the page *before* another opening whose write already landed there is
         a late landing -- the page was handed on while the old write could still land. It
         is found whether or not a later write covered it again (the final bytes, which

@@ -25,7 +25,16 @@ from typing import Any
 
 import torch
 
-from sender.driver import (
+from sender.events import FanOut, ManagerEvents
+from sender.manager import KVManager, ManagerPurge
+from sender.notices import NoticeError, decode_notice
+from sender.poll import KVPoll
+from sender.transport import NixlTransport
+from staging.buffers import StagingBufferPool
+from staging.context import RoomHandle, StagingContext
+from stress import metrics_sink
+from stress.framework import JSONValue, Monitor, StressConfig, WorkerCounters, percentile
+from stress.harness.driver import (
     CONTRACT_PREFIX,
     BootstrapFn,
     DriverConfig,
@@ -34,17 +43,8 @@ from sender.driver import (
     SchedulerDriver,
     page_digests,
 )
-from sender.events import FanOut, ManagerEvents
-from sender.faults import FaultInjectingTransport
-from sender.manager import KVManager, ManagerPurge
-from sender.notices import NoticeError, decode_notice
-from sender.peer import LearntRoom, PeerError, PeerProcess
-from sender.poll import KVPoll
-from sender.transport import NixlTransport
-from staging.buffers import StagingBufferPool
-from staging.context import RoomHandle, StagingContext
-from stress import metrics_sink
-from stress.framework import JSONValue, Monitor, StressConfig, WorkerCounters, percentile
+from stress.harness.faults import FaultInjectingTransport
+from stress.harness.peer import LearntRoom, PeerError, PeerProcess
 from stress.invariants import (
     DECODE_PAGE_AUDIT,
     DECODE_TOLD,
@@ -175,6 +175,7 @@ class _Purged:
     status: KVPoll | None
     at: float
     draining: int
+    reason: str | None
 
 
 class NoticeTracker:
@@ -184,7 +185,9 @@ class NoticeTracker:
     process, also right before a peer is killed or replaced: a new process knows nothing).
 
     :meth:`check` (at the end of a manager's life, after it closed and drained) judges every
-    room failed or cleared before ``Success`` at each of its sessions that had no fault in
+    room failed or cleared before ``Success`` (one failed after it concluded ``Success``, an
+    ``abort()`` after the last chunk's end, is never notified: docs/PROTOCOL.md; the tracker
+    is a listener of the manager's events to know) at each of its sessions that had no fault in
     ``[opening, purge + TOLD_GRACE_S]``: the peer must know it (same outcome) once the
     notifier's backlog has been sent (waited for while it shrinks, :data:`TOLD_STALL_S`) and
     the peers went quiet (:data:`TOLD_QUIET_S`); and no opening purged at ``Success`` may be
@@ -204,6 +207,11 @@ class NoticeTracker:
         self._purged: list[_Purged] = []
         self._sent: dict[tuple[int, int, str], float] = {}
         self._send_errors: dict[tuple[int, int, str], tuple[float, str]] = {}
+        # Openings the manager concluded Success (its room_concluded event): one failed
+        # afterwards (abort() after Success) is never notified (docs/PROTOCOL.md).
+        self._succeeded: set[tuple[int, int]] = set()
+        # session -> (times the transport answered "disconnected" to the notifier, last time)
+        self._dead_answers: dict[str, tuple[int, float]] = {}
         self._faults: dict[str, list[list[float]]] = {}
         self._learnt: dict[str, dict[tuple[int, int], LearntRoom]] = {}
         self._cursor: dict[str, tuple[int, int]] = {}  # session -> (peer pid, since)
@@ -241,7 +249,9 @@ class NoticeTracker:
             return
         gen = purge.staging.generation if purge.staging is not None else None
         with self._lock:
-            self._purged.append(_Purged(purge.room, gen, purge.status, at, purge.draining))
+            self._purged.append(
+                _Purged(purge.room, gen, purge.status, at, purge.draining, purge.failure_record)
+            )
 
     def sent(self, session_id: str, message: bytes, at: float) -> None:
         """The notifier called ``send_notif`` with ``message`` at ``at`` (notifier thread).
@@ -262,6 +272,26 @@ class NoticeTracker:
             return
         with self._lock:
             self._send_errors[(notice.room, notice.gen, session_id)] = (at, repr(exc))
+
+    def room_concluded(
+        self, room: int, generation: int, outcome: str, code: str, seconds: float
+    ) -> None:
+        """The manager's event (a :class:`~sender.events.ManagerEvents` listener, any thread):
+        an opening that concluded ``"success"`` is judged as a Success room even when it was
+        failed afterwards. Raises: nothing."""
+        if outcome == "success":
+            with self._lock:
+                self._succeeded.add((room, generation))
+
+    def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
+        """The manager's event: not used here. Raises: nothing."""
+
+    def dead_answer(self, session_id: str, at: float) -> None:
+        """The transport told the notifier that ``session_id``'s peer is disconnected (its
+        notice is skipped). Any thread. Raises: nothing."""
+        with self._lock:
+            count, _ = self._dead_answers.get(session_id, (0, at))
+            self._dead_answers[session_id] = (count + 1, at)
 
     def fault(self, session_id: str, start: float, end: float | None = None) -> list[float]:
         """A fault of ``session_id`` from ``start`` to ``end`` (``None``: still on; set
@@ -357,8 +387,10 @@ class NoticeTracker:
                 if (p.room, gen) in withheld:  # close() abandoned its writes: no notice
                     counts["withheld"] += len(sessions)
                     continue
+                succeeded = (p.room, gen) in self._succeeded
+                self._succeeded.discard((p.room, gen))
                 for sid in sessions:
-                    if p.status is KVPoll.Success:
+                    if p.status is KVPoll.Success or succeeded:
                         success.append((p.room, gen, sid))
                     elif sid not in peers or self._excluded(sid, opened_at, p.at):
                         counts["excluded_fault"] += 1
@@ -426,6 +458,16 @@ class NoticeTracker:
                         else f"send raised {error[1]} at {error[0] - began:+.3f} s"
                         if error is not None else "never sent"
                     )
+                    dead = self._dead_answers.get(sid)
+                    if dead is not None:
+                        sent += (
+                            f"; the transport answered 'disconnected' for {sid!r} {dead[0]} "
+                            f"times, last at {dead[1] - began:+.3f} s"
+                        )
+                    if p.reason:
+                        sent += f"; failed because: {p.reason[:200]}"
+                    if notifier is not None and hasattr(notifier, "counts"):
+                        sent += f"; notifier {notifier.counts()}"
                     monitor.violation(
                         DECODE_TOLD,
                         f"room {room} gen {gen} ({want} on the prefill side, {p.draining} chunks "
@@ -460,6 +502,7 @@ class NoticeTracker:
                     )
             self._sent.clear()
             self._send_errors.clear()
+            self._succeeded.clear()
             for learnt_map in self._learnt.values():
                 learnt_map.clear()
             for name in self.counts:
@@ -616,6 +659,12 @@ class _NoticeClock:
             raise
         self._tracker.sent(session_id, message, at)
 
+    def peer_disconnected(self, session_id: str) -> bool:
+        dead = bool(self._inner.peer_disconnected(session_id))
+        if dead:
+            self._tracker.dead_answer(session_id, time.monotonic())
+        return dead
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
@@ -627,6 +676,8 @@ class TrackedManager(KVManager):
 
     def __init__(self, *args: Any, tracker: NoticeTracker, **kwargs: Any) -> None:
         self.tracker = tracker
+        events = kwargs.get("events")
+        kwargs["events"] = tracker if events is None else FanOut(events, tracker)
         # The openings purged last, for the drain-honest observer (deque appends and
         # snapshots are atomic).
         self.recent_purges: collections.deque[RoomHandle] = collections.deque(maxlen=64)

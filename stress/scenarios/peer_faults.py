@@ -37,9 +37,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from sender.driver import RoomOutcome
 from sender.poll import KVPoll
 from stress.framework import Monitor, ScenarioMetrics, StressConfig, register
+from stress.harness.driver import RoomOutcome
 from stress.scenarios._lag_probe import LagProbe
 from stress.scenarios._sender_rig import (
     ROOMS_CONCLUDED,

@@ -37,11 +37,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sender.driver import DriverConfig, RoomOutcome, SchedulerDriver
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from stress.framework import JSONValue, Monitor, ScenarioMetrics, StressConfig, register
+from stress.harness.driver import DriverConfig, RoomOutcome, SchedulerDriver
 from stress.invariants import describe
 from stress.scenarios._sender_rig import SENDER_INVARIANTS, SenderRig, sender_rig
 

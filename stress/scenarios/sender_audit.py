@@ -77,12 +77,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sender.driver import BootstrapFn, RoomOutcome, SchedulerDriver, deliver_transfer_info
 from sender.errors import TRANSPORT_ERRORS
 from sender.manager import KVManager, TransferInfo
 from staging.context import RoomHandle, StagingContext
 from staging.errors import LockTimeoutError
 from stress.framework import JSONValue, Monitor, ScenarioMetrics, StressConfig, register
+from stress.harness.driver import BootstrapFn, RoomOutcome, SchedulerDriver, deliver_transfer_info
 from stress.invariants import DECODE_PAGE_AUDIT, FAILURE_CONTRACT, describe
 from stress.scenarios._sender_rig import (
     PLANT_NO_NOTICES,

@@ -3,7 +3,7 @@
 Rooms of a test run usually send pages of one shared prefill KV pool, so two rooms that send
 the same prefill page send the same bytes: a digest found at a decode page then names a
 *prefill page*, not the room whose write landed there. :class:`StampedSources` removes that
-ambiguity for the reference driver (:class:`~sender.driver.SchedulerDriver`): each room gets
+ambiguity for the reference driver (:class:`~stress.harness.driver.SchedulerDriver`): each room gets
 source pages no other live room holds, and before its first chunk is sent the first
 :data:`STAMP_BYTES` bytes of each of them are overwritten with a *stamp*::
 

@@ -11,7 +11,7 @@ is accepted at once (``write_pages`` returns, ``poll`` says ``"PROC"``) and real
 ``delay_s`` later by the injector's delayer thread. As with NIXL, releasing such a transfer
 does not cancel it: a write released before its post is still posted when due (its bytes
 land) and its real handle is released once it is done. That is exactly the case a sender must
-not reuse the destination pages in (see the drain rule in :mod:`sender.driver`).
+not reuse the destination pages in (see the drain rule in :mod:`stress.harness.driver`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
   thread that collects incoming per-transfer notifications into a thread-safe store and
   learns room notices (:mod:`sender.notices`: which openings the prefill side failed or
   cleared; the decode-side contract is in docs/PROTOCOL.md).
-* ``python -m sender.peer --listen 127.0.0.1:PORT --pages N --page-bytes B`` runs a
+* ``python -m stress.harness.peer --listen 127.0.0.1:PORT --pages N --page-bytes B`` runs a
   DecodePeer behind a tiny loopback TCP control channel (PORT 0 picks a free port). The first
   line on stdout is ``LISTENING 127.0.0.1:<port>``; afterwards stdout is redirected to stderr.
   Another local address (e.g. the peer's own address inside a network namespace of a test
@@ -56,12 +56,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
-from sender._peer_args import HOST as _HOST
-from sender._peer_args import is_ipv4 as _is_ipv4
-from sender._peer_args import parse_args
+from stress.harness._peer_args import HOST as _HOST
+from stress.harness._peer_args import is_ipv4 as _is_ipv4
+from stress.harness._peer_args import parse_args
 
 if __name__ == "__main__":
-    # `python -m sender.peer`: the arguments are checked before numpy, NIXL and torch load
+    # `python -m stress.harness.peer`: the arguments are checked before numpy, NIXL and torch load
     # (2-4 s), so --help and bad arguments answer at once; main() parses them again.
     parse_args(sys.argv[1:])
 
@@ -70,13 +70,13 @@ import numpy.typing as npt
 
 from sender import _nixl
 from sender.errors import TransportClosedError, TransportParamError
-from sender.landings import Landing, LandingLog
 from sender.notices import NoticeError, decode_notice, is_notice
 from sender.transport import (
     DEFAULT_PROGRESS_DELAY_US,
     NixlTransport,
     PageIndices,
 )
+from stress.harness.landings import Landing, LandingLog
 
 if TYPE_CHECKING:  # imported lazily: a CPU peer process starts ~2 s faster without torch
     import torch
@@ -1115,7 +1115,7 @@ def _pages_arg(req: dict[str, Any], peer: DecodePeer) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m sender.peer``; returns the exit status.
+    """Entry point of ``python -m stress.harness.peer``; returns the exit status.
 
     Raises:
         SystemExit: ``--help`` (status 0) or bad arguments (status 2, one line on stderr).
@@ -1147,7 +1147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.landings = watch
         except OSError as exc:  # e.g. ADDR is not an address of this namespace
             print(
-                f"python -m sender.peer: cannot listen on {host}:{port_s}: {exc}", file=sys.stderr
+                f"python -m stress.harness.peer: cannot listen on {host}:{port_s}: {exc}",
+                file=sys.stderr,
             )
             return 2
         try:
@@ -1354,7 +1355,7 @@ class PeerProcess:
         with tempfile.TemporaryFile() as log:
             later = _open_stderr(self._stderr)
             cmd = [
-                *prefix, sys.executable, "-m", "sender.peer",
+                *prefix, sys.executable, "-m", "stress.harness.peer",
                 "--listen", f"{self.host}:0", *allow,
                 "--pages", str(self.num_pages),
                 "--page-bytes", str(self.page_bytes),

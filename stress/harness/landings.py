@@ -1,14 +1,14 @@
 """A decode peer's log of the stamped writes that landed in its pool (an investigation aid).
 
 NIXL writes are one-sided: the decode process is never told that bytes landed. With stamped
-sources (:mod:`sender.stamps`) the first bytes of every page name the write that put them
+sources (:mod:`stress.harness.stamps`) the first bytes of every page name the write that put them
 there, so a thread that scans the pool's page headers and records every change sees each
 landing: ``(time.monotonic(), page, stamp)``. Two landings on one page within one scan
 interval show as the last one only (the log says how often it scanned). The monotonic clock
 is the machine's, shared by the sender's process (network namespaces do not change it), so
 the log lines up with the sender's own records.
 
-Off by default (``python -m sender.peer --watch-stamps SECONDS``): the scan costs a few tens
+Off by default (``python -m stress.harness.peer --watch-stamps SECONDS``): the scan costs a few tens
 of microseconds of CPU per period.
 
 Thread-safety: :meth:`LandingLog.records`, :meth:`LandingLog.close` from any thread.
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from sender.stamps import STAMP_BYTES, read_stamp
+from stress.harness.stamps import STAMP_BYTES, read_stamp
 
 
 class Landing(NamedTuple):

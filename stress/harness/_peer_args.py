@@ -1,7 +1,7 @@
-"""Arguments of ``python -m sender.peer``, parsed without NIXL, torch or numpy.
+"""Arguments of ``python -m stress.harness.peer``, parsed without NIXL, torch or numpy.
 
-``sender.peer`` imports NIXL (whose backend probe imports torch: 2-4 s) at module level.
-Run as ``python -m sender.peer``, it parses its arguments with :func:`parse_args` *before*
+``stress.harness.peer`` imports NIXL (whose backend probe imports torch: 2-4 s) at module level.
+Run as ``python -m stress.harness.peer``, it parses its arguments with :func:`parse_args` *before*
 those imports, so ``--help`` and bad arguments answer at once. Only the standard library is
 imported here.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 HOST = "127.0.0.1"
 """The only address of the control channel unless ``--allow-host`` names another."""
 
-PROG = "python -m sender.peer"
+PROG = "python -m stress.harness.peer"
 
 
 def is_ipv4(text: str) -> bool:
@@ -59,7 +59,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m sender.peer``. Pure; thread-safe."""
+    """The parser of ``python -m stress.harness.peer``. Pure; thread-safe."""
     ap = argparse.ArgumentParser(
         prog=PROG,
         description=(

@@ -33,9 +33,9 @@ from sender.errors import TRANSPORT_ERRORS, KVTransferError
 from sender.manager import KVManager, TransferInfo, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
-from sender.stamps import StampedSources
 from staging.context import RoomHandle
 from staging.errors import LockTimeoutError
+from stress.harness.stamps import StampedSources
 
 DigestFn = Callable[[str, Sequence[int]], list[str]]
 """``digest(session_id, dst_pages) -> hex digest per page`` at the decode peer."""
@@ -312,7 +312,7 @@ class SchedulerDriver:
             adds them inline right after ``init()``.
         sender_factory: how to make a sender (default :class:`NixlKVSender`).
         sources: give each room source pages of its own, stamped with its opening and
-            chunk (:class:`~sender.stamps.StampedSources`): the bytes found at a decode page
+            chunk (:class:`~stress.harness.stamps.StampedSources`): the bytes found at a decode page
             then name their writer, and each room is verified against its own stamped
             digests. Its pages return with the room's destination pages (the drain rule).
             ``None``: rooms sample the shared KV pool.
