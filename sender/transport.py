@@ -4,33 +4,15 @@ One transport = one NIXL agent with the UCX backend, created with
 ``NIXL_THREAD_SYNC_STRICT``: NIXL's default sync mode (NONE) crashes with SIGSEGV when a few
 threads share an agent; STRICT serialises the agent's calls internally.
 
-Progress thread and idle CPU
-----------------------------
-NIXL 1.5.1's Python wrapper hard-codes ``pthrDelay=0`` on the binding's agent config, so its
-progress thread spins a full core per agent — two idle agents starve a 2-core machine. We
-keep NIXL's progress thread (peers need it: without one, a receiver must call
-``get_new_notifs()`` continuously or incoming transfers and notifications stall) but give it a
-delay: the wrapper is built with ``enable_prog_thread=False`` and no backend (so its own
-binding agent never starts a thread or a backend), then its public ``agent`` attribute is
-replaced by a binding agent built from our ``nixlAgentConfig`` (``pthrDelay`` =
-``progress_delay_us``, default 100 µs), and the UCX backend is created on that one. Every
-wrapper method goes through ``self.agent``, so the rest of the wrapper works unchanged.
-The default was 1000 µs; a long delay stalls UCX's pipeline on large writes: measured side
-by side (16 MiB writes to a peer process, 2-core VM, noisy) 2.6-3.7 GB/s at 1000 µs against
-6.6-8.2 GB/s at 100 and 20 µs, while an idle transport cost the same ~2 % of a core at 20,
-100, 200 and 1000 µs (``time.process_time`` over 1 s). So 100 µs.
-Measured on a 2-core VM (NIXL 1.5.1, no GPU): an idle transport with a registered 16 MiB
-pool costs 1.6-2.0 % of one core (stock config: 100 % per agent, two idle agents 199 %);
-the binding's progress thread alone at ``pthrDelay`` 1000 us is ~1.5-2 %, at 2000 us about
-the same. A 64 KiB ``write_pages`` + ``wait`` + ``release`` takes ~18-22 us median against
-~14 us for NIXL's own prepared-list calls (``python -m bench throughput``): writes to DRAM
-over UCX/CMA mostly complete inside the post, and our own ``poll()`` drives progress too.
-``tests/test_transport.py`` asserts < 5 % idle CPU.
-
-Alternative considered: ``enable_prog_thread=False`` and driving progress ourselves. Then
-every *receiving* agent needs a thread calling ``get_new_notifs()`` every ~1 ms or incoming
-transfers (even the connection set-up) stall; a first transfer to an agent without such a
-pump hung. Keeping NIXL's thread with a delay needs no such pump for progress.
+Progress thread
+---------------
+NIXL's progress thread is kept (without one, a receiving agent must call
+``get_new_notifs()`` continuously or incoming transfers stall) but given a delay: the
+wrapper is built with ``enable_prog_thread=False`` and no backend, its public ``agent``
+attribute is replaced by a binding agent built from our ``nixlAgentConfig`` (``pthrDelay`` =
+``progress_delay_us``, default 100 µs), and the UCX backend is created on that one. NIXL
+1.5.1's wrapper hard-codes ``pthrDelay=0``, a full core per idle agent. Why 100 µs, and the
+idle-CPU and latency figures: docs/PERFORMANCE.md, "The transport's progress thread".
 
 Handle lifetime
 ---------------
