@@ -510,6 +510,7 @@ def test_decode_told_judges_a_room_aborted_after_success_as_a_success(
             snd.failure_exception()
     gen = senders[701].handle.generation
     s.tx.send_notif(s.session, _notice(701, gen, "failed", "aborted"))  # told, wrongly
+    assert peer.wait_room_failed(701, gen, 10.0) is not None  # learnt before the check
     s.mgr.close()
     assert s.mgr.stats().notices_queued == 0  # neither is notified by the manager
     monitor = Monitor("t", [DECODE_TOLD], duration_s=1.0, watchdog_s=10.0)

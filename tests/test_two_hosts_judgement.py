@@ -83,6 +83,7 @@ def _judge(
     child.track = _Track(outcomes=outcomes)
     child._rig = _Rig()
     child.lag = lag or LagProbe()
+    child.in_flight_at = {}
     figures = child._figures("kill", FAULT_AT, FAULT_AT + 0.9, FAULT_AT + 1.0, None, [], DEAD_AT)
     found = {
         r.name: (r.violations, list(r.examples)) for r in child.monitor.reports() if r.violations
