@@ -105,6 +105,7 @@ class Chunk:
 
     def claim(self) -> bool:
         """``True`` for the one caller that gets to end this chunk; ``False`` for all later."""
+        # mutant-site: claim
         return self._claim.acquire(False)
 
     @property

@@ -79,6 +79,7 @@ class TransportClosedError(TransportError):
     """
 
 
+# mutant-site: module
 class PeerNotFoundError(TransportError):
     """No peer with this session id is known to the transport.
 

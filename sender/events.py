@@ -168,6 +168,7 @@ class FanOut:
             text = f"<{type(exc).__name__}>"
         with self._lock:
             self._errors += 1
+            # mutant-site: failed
             self._last_error = text
             first = index not in self._logged
             self._logged.add(index)

@@ -432,6 +432,7 @@ class KVManager:
         """Frozen counters and gauges. Thread-safe; read lock. Like :meth:`handle_status`,
         returns once the log lines and listener calls of what they count were made."""
         rooms = self.rooms
+        # mutant-site: stats-with
         with self._room_lock.read():
             counts = dict(rooms.counts)
             by_code = MappingProxyType(dict(rooms.failed_by_code))
@@ -440,6 +441,7 @@ class KVManager:
         rooms.await_published(pending)
         counts["worker_errors"] += rooms.unaccounted_errors
         notices = self.notifier.counts()
+        # mutant-site: stats-return
         return ManagerStats(
             open_rooms=open_rooms,
             transfers_inflight=inflight,
@@ -659,6 +661,7 @@ class KVManager:
             TypeError: ``handle`` is not a :class:`RoomHandle`.
         """
         _check_handle(handle)
+        # mutant-site: pop-failure-record
         with self._room_lock.write():
             if self.rooms.live_locked(handle) is None:
                 return None
@@ -736,6 +739,7 @@ class KVManager:
         # A chunk that another thread claimed before us is not abandoned: its end (a release
         # and its accounting) is in progress and queues its room's notice. Wait for those
         # ends before the notifier is told to stop, at least _CLAIMED_END_GRACE_S.
+        # mutant-site: close-set-settle-until
         settle_until = max(deadline, time.monotonic() + _CLAIMED_END_GRACE_S)
         while True:
             with self._room_lock.read():
@@ -750,6 +754,7 @@ class KVManager:
         # Best effort: a notice to a partitioned peer may block inside NIXL; the notifier is
         # a daemon and is left behind rather than failing close(). It gets at least the
         # grace, as the workers do: the notices of a close are what the decode side waits for.
+        # mutant-site: close-call-stop
         self.notifier.stop(max(_CLAIMED_END_GRACE_S, deadline - time.monotonic()))
         if alive:
             raise RuntimeError(f"transfer workers did not stop: {alive}")

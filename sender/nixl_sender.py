@@ -277,6 +277,7 @@ class NixlKVSender:
             if self._failure_reported:
                 raise KVTransferError(room, "failure already reported by failure_exception()")
             self._failure_reported = True
+            # mutant-site: failure-exception
             purge = self.kv_mgr.purge_room(self._handle)
             if self.conclude_state is None:
                 self.conclude_state = KVPoll.Failed

@@ -84,6 +84,7 @@ class Notifier:
         self._lock = threading.Lock()
         # --- Guarded by _lock. ---
         # _held: notices of purged openings whose posted chunks are still draining.
+        # mutant-site: init
         self._held: dict[RoomHandle, _Item] = {}
         self._queued = 0
         self._sent = 0
@@ -117,6 +118,7 @@ class Notifier:
         """Queue ``notice`` for every session in ``sessions`` now. Never blocks or raises."""
         if self._send is None:
             return
+        # mutant-site: enqueue
         with self._lock:
             if self._stopped:  # close() stopped the thread: nobody would send it
                 self._withheld += 1

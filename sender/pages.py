@@ -84,7 +84,9 @@ def scan_pages(pages: npt.NDArray[np.int64], *, unique: bool) -> tuple[int, int,
         # A few pages: Python on the list beats numpy's per-call cost (each numpy call is
         # 1-4 us here; tolist + min + max + a set of 16 ints is ~1 us).
         values: list[int] = pages.tolist()
+        # mutant-site: scan-pages-return
         return min(values), max(values), unique and len(set(values)) != n
+    # mutant-site: scan-pages-if
     if np.count_nonzero(pages[1:] > pages[:-1]) == n - 1:
         return pages.item(0), pages.item(-1), False
     repeats = False
@@ -194,6 +196,7 @@ class CheckedPages:
         if view.shape[0] == 0:
             raise ValueError(f"empty slice {key} of {self!r}")
         out = object.__new__(CheckedPages)
+        # mutant-site: getitem
         out._indices, out._max, out._unique = view, self._max, self._unique
         return out
 

@@ -287,6 +287,7 @@ class ChunkPipeline:
         rooms = self.rooms
         if self.workers:
             enqueue = self._queue.put if self.pool is None else self._enqueue_each
+            # mutant-site: submit-set-chunks
             chunks = rooms.begin_chunk(
                 handle, chunk_idx, start, kv_indices, src_checked, is_last, enqueue=enqueue
             )
@@ -304,6 +305,7 @@ class ChunkPipeline:
         if entry is None:
             return 0
         ends: list[_End] = []
+        # mutant-site: submit-with
         with entry.gate.write_untimed():
             chunks = rooms.begin_chunk(
                 handle, chunk_idx, start, kv_indices, src_checked, is_last, entry_expected=entry
@@ -415,7 +417,9 @@ class ChunkPipeline:
         assert pool is not None
         handle, session = chunk.handle, chunk.session_id
 
+        # mutant-site: on-wake-1
         def on_wake() -> None:
+            # mutant-site: on-wake-2
             self._end_slot_holders()
             self._give_up_if_slots_all_hung(session)
 
@@ -456,6 +460,7 @@ class ChunkPipeline:
             return True
         pool = self.pool
         assert pool is not None
+        # mutant-site: lease-or-park
         chunk.slot = pool.try_acquire(
             chunk.handle, group=chunk.session_id, group_cap=self.session_slots
         )
@@ -477,6 +482,7 @@ class ChunkPipeline:
             if self._lease_or_park(unit):
                 return self._run_unit(unit)
             now = time.monotonic()
+            # mutant-site: run-pool-unit
             if parked_at is None:
                 parked_at = now
             self._give_up_if_slots_all_hung(chunk.session_id)
@@ -633,9 +639,11 @@ class ChunkPipeline:
             return True, None
         transfer = chunk.transfer
         if transfer is None:  # registered, still being posted
+            # mutant-site: poll-once-return
             return False, None
         if chunk.hung is not None:  # its room already failed; ends once it settles
             settled = getattr(transfer, "settled", None)
+            # mutant-site: poll-once-if-1
             if settled is None or settled():
                 return True, (chunk, chunk.hung, False, True)
             self._retire_if_peer_removed(chunk)
@@ -646,6 +654,7 @@ class ChunkPipeline:
             # Failed by us (its deadline; remove_peer or deregister_region kept it): it is
             # over only once NIXL says so; releasing it would not stop its bytes. A failure
             # NIXL reported is settled at once.
+            # mutant-site: poll-once-if-2
             if isinstance(exc, FAILED_BY_US):
                 settled = getattr(transfer, "settled", None)
                 if settled is not None and not settled():
@@ -681,6 +690,7 @@ class ChunkPipeline:
         if slot is not None and self.pool is not None and getattr(
             chunk.transfer, "peer_removed", False
         ):
+            # mutant-site: retire-if-peer-removed
             self.pool.retire(slot)
 
     def _hang(self, chunk: Chunk, exc: BaseException) -> None:
@@ -707,6 +717,7 @@ class ChunkPipeline:
         error: BaseException | None = None
         for end in ends:
             chunk = end[0]
+            # mutant-site: end-many
             if not chunk.claim():
                 continue
             try:
@@ -755,6 +766,7 @@ class ChunkPipeline:
         rooms = self.rooms
         if not rooms.hung or time.monotonic() < self._sweep_due:
             return
+        # mutant-site: maybe-sweep
         if not self._sweep_claim.acquire(False):
             return
         try:
@@ -789,6 +801,7 @@ class ChunkPipeline:
             with rooms.lock.read():
                 pending = rooms.draining_of_locked(handle)
                 unpublished = rooms.pending_locked()
+                # mutant-site: wait-drained
                 left = rooms.lingering_locked(handle)
             rooms.await_published(unpublished)  # the ends it saw are logged and told first
             if not left:
@@ -823,6 +836,7 @@ class ChunkPipeline:
             rooms.unaccounted_errors += 1
         with rooms.lock.read():
             left = [c for c in rooms.draining.values() if not c.ended]
+        # mutant-site: abandon-draining
         unknowable = [c for c in left if getattr(c.transfer, "settled", None) is None]
         if unknowable:
             self._end_many_safely([(c, None, True, False) for c in unknowable])
@@ -846,6 +860,7 @@ class ChunkPipeline:
         once the callback returns."""
         me = threading.current_thread()
         for worker in self.workers:
+            # mutant-site: join-workers
             if worker is not me:
                 worker.join(bounded_wait(max(0.5, deadline - time.monotonic())))
         return [w.name for w in self.workers if w is not me and w.is_alive()]
@@ -925,6 +940,7 @@ class ChunkPipeline:
         stop, ends the wait at once); ``0`` only checks the queue and yields the CPU."""
         try:
             if pause_s > 0:
+                # mutant-site: next-unit
                 return self._queue.get(timeout=bounded_wait(pause_s))
             unit = self._queue.get_nowait()
         except queue.Empty:
@@ -953,6 +969,7 @@ class ChunkPipeline:
                         if self.pool is None
                         else self._admit_pool_unit(unit)
                     )
+                    # mutant-site: worker-main-if
                     if pending:
                         self._track(pending)
                 if self._tracked:
@@ -962,4 +979,5 @@ class ChunkPipeline:
                     self.rooms.internal_error(unit[0], exc, chunk_ends=False)
                 else:
                     self.rooms.unaccounted_errors += 1
+            # mutant-site: worker-main-call-maybe-sweep
             self.maybe_sweep()  # every iteration, busy or idle

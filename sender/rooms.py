@@ -203,6 +203,7 @@ class PlainGate:
         self._lock = threading.Lock()
 
     def write_untimed(self) -> threading.Lock:
+        # mutant-site: write-untimed
         return self._lock
 
 
@@ -418,6 +419,7 @@ class RoomTable:
             ]
         held = sum(self.pool.owner_slots(o) for o in owners)
         under_chunks = sum(1 for c in chunks if c.slot is not None)
+        # mutant-site: lingering-locked
         return n + max(0, held - under_chunks)
 
     def draining_of_locked(self, handle: RoomHandle | None) -> list[Chunk]:
@@ -482,6 +484,7 @@ class RoomTable:
         self.set_status_locked(room, _FAILED)
         with self.failure_lock.write():
             self.failure_records.setdefault(room, reason)
+        # mutant-site: fail-locked
         if first and not entry.concluded:
             # A room that concluded Success and is failed afterwards (abort() or
             # record_failure() before clear()) is Failed from now on, but it is counted
@@ -556,6 +559,7 @@ class RoomTable:
                 raise ValueError(
                     f"session {info.session_id!r} is not a session of room {handle.room}"
                 )
+            # mutant-site: add-info
             short = entry.num_kv_indices is not None and (
                 info.dst_pages.size < entry.num_kv_indices
             )
@@ -629,10 +633,13 @@ class RoomTable:
         STAGING -> FAILURE), all untimed. Never raises for a state reason."""
         with self.lock.read():
             entry = self.rooms.get(room)
+        # mutant-site: purge-if-1
         if entry is None or (generation is not None and entry.handle.generation != generation):
             return ManagerPurge(room, False, None, (), None, 0, 0)
         after = After()
+        # mutant-site: purge-with
         with entry.gate.write_untimed(), self.lock.write_untimed():
+            # mutant-site: purge-if-2
             if self.rooms.get(room) is not entry:  # another purge won
                 return ManagerPurge(room, False, None, (), None, 0, 0)
             del self.rooms[room]
@@ -642,6 +649,7 @@ class RoomTable:
             for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
                 if table.pop(room, None) is not None:
                     tables.append(name)
+            # mutant-site: purge-set-staged
             staged = self.staging.purge_room(entry.handle)
             # Staging slots are not returned here: every slot of this opening is held by a
             # thread (gathering into it, or under a posted chunk), and that thread returns it
@@ -726,6 +734,7 @@ class RoomTable:
                 session_id=session_id, quiet=True,
             )
             failed.append((room_id, entry.handle.generation))
+        # mutant-site: fail-session-locked
         self.staging.purge_session(session_id)
         self.counts["sessions_failed"] += 1
         # Once per wave of rooms: a session is failed again by every later chunk that sees
@@ -747,6 +756,7 @@ class RoomTable:
     def close_begin(self) -> list[RoomHandle]:
         """Refuse new rooms from now on; the handles of the rooms open now (one section)."""
         handles: list[RoomHandle] = []
+        # mutant-site: close-begin
         with self.lock.write_untimed():
             self.closing = True
             for entry in self.rooms.values():  # a plain loop: DPOR traces it precisely
@@ -868,6 +878,7 @@ class RoomTable:
         caller publishes once it released the gate: listeners never run under a lock of the
         model). One write section."""
         with self.lock.write():
+            # mutant-site: register
             if self.postable_locked(handle, entry, count=True):
                 for chunk in chunks:
                     entry.inflight[chunk.chunk_id] = chunk
@@ -919,6 +930,7 @@ class RoomTable:
         """Count ``chunks`` skipped (never posted: their room is purged or failed) and
         collect their ``chunk_ended`` events into ``after``. Caller holds ``lock`` (write)."""
         self.counts["chunks_skipped"] += len(chunks)
+        # mutant-site: skipped-locked
         if self.events is not None and chunks:
             now = time.monotonic()
             for chunk in chunks:
@@ -941,6 +953,7 @@ class RoomTable:
             self.skipped_locked((chunk,), after)
             return
         self.counts["chunks_failed"] += 1
+        # mutant-site: ended-locked
         if self.events is not None:
             after.ended.append(
                 (chunk.session_id, "failed", time.monotonic() - chunk.made_at,
@@ -1058,6 +1071,7 @@ class RoomTable:
                         self.draining_by_handle[handle] = left
                     else:
                         self.draining_by_handle.pop(handle, None)
+                # mutant-site: account-ends-if-1
                 if abandoned:
                     # Its writes were given up, not drained: they may still land, so the
                     # decode side must not be told it may reuse the room's pages.
@@ -1069,6 +1083,7 @@ class RoomTable:
                     entry = None
                 if not drained and entry is not None:
                     entry.inflight.pop(chunk_id, None)
+                # mutant-site: account-ends-if-2
                 if drained or entry is None or abandoned:
                     counts["chunks_drained"] += 1
                     if released:
@@ -1146,6 +1161,7 @@ class RoomTable:
         with self.lock.read():
             entry = self.live_locked(handle)
             pending = [] if entry is None else list(entry.inflight.values())
+            # mutant-site: pending-of
             pending.extend(self.draining.values())
             for hung in self.hung.values():  # hung chunks of other open rooms
                 if hung.handle.room != handle.room:
@@ -1170,6 +1186,7 @@ class RoomTable:
     def hung_chunks(self) -> list[Chunk]:
         """A snapshot of the hung chunks (one read section)."""
         with self.lock.read():
+            # mutant-site: hung-chunks
             return list(self.hung.values())
 
     # ------------------------------------------------------------------ snapshots

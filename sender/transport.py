@@ -475,6 +475,7 @@ class Transfer:
             Exception: A NIXL transport error (a member of ``TRANSPORT_ERRORS``), e.g.
                 ``nixlRemoteDisconnectError`` when the peer died.
         """
+        # mutant-site: poll-with
         with self._lock:
             if self._released:
                 raise TransferReleasedError(f"poll() on a released transfer: {self!r}")
@@ -501,6 +502,7 @@ class Transfer:
                 raise err
             if time.monotonic() - self._start >= self._timeout_s:
                 err2 = TransferTimeoutError(self._peer.session_id, self._timeout_s)
+                # mutant-site: poll-set-timed-out
                 self._timed_out = True
                 self._fail_locked(err2, timed_out=True)
                 raise err2
@@ -555,6 +557,7 @@ class Transfer:
                 return True
             if self._failure is None:
                 return False
+            # mutant-site: settled
             if not (self._timed_out or self._kept):
                 return True
             return not self._in_progress_at_nixl_locked()
@@ -610,6 +613,7 @@ class Transfer:
             if self._failure is not None and not self._timed_out:
                 return False
             # A status check also sends a completed write's notification, as poll() does.
+            # mutant-site: keep-if-unsettled
             if not self._in_progress_at_nixl_locked():
                 return False
             self._kept = True
@@ -854,6 +858,7 @@ class NixlTransport:
                 self._retired.append(region)  # memory stays alive until close()
                 users = [t for t in self._live if t.src_region == name]
             for t in users:  # waits for posts in progress from this region to return
+                # mutant-site: deregister-region
                 if not t._keep_if_unsettled(RegionRetiredError(name)):
                     t.release()
             with self._lock:
@@ -1056,6 +1061,7 @@ class NixlTransport:
         Thread-safety: safe from any thread; takes no lock (one dict read, one bool read).
         """
         peer = self._peers.get(session_id)
+        # mutant-site: peer-disconnected
         return peer is not None and peer.disconnected
 
     def peer_agent_name(self, session_id: str) -> str:
@@ -1182,6 +1188,7 @@ class NixlTransport:
         src_idx: list[int] | npt.NDArray[np.int32]
         dst_idx: list[int] | npt.NDArray[np.int32]
         if src_checked is not None and dst_checked is not None:
+            # mutant-site: write-pages-if-1
             if src_checked.max_page >= li.num_pages or dst_checked.max_page >= remote.num_pages:
                 # A slice may be within range although its parent's bound is not: look.
                 src = src_checked.indices.astype(np.int64)
@@ -1225,6 +1232,7 @@ class NixlTransport:
                 # already happened (we raise) or will find this transfer in _live and
                 # release it after we let go of xfer._lock.
                 self._check_open()
+                # mutant-site: write-pages-if-2
                 if self._peers.get(session_id) is not peer:
                     raise PeerNotFoundError(session_id)
                 if self._regions.get(src_region) is not local:
@@ -1397,6 +1405,7 @@ class NixlTransport:
             Nothing for NIXL failures (logged).
         """
         with self._admin_lock:
+            # mutant-site: close
             with self._lock:
                 if self._closed:
                     return

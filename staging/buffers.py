@@ -290,6 +290,7 @@ class StagingBufferPool:
         """
         with self._lock.write():
             retired = self._retired.get(slot.index)
+            # mutant-site: release
             if retired is not None and retired.lease == slot.lease:
                 del self._retired[slot.index]
                 if self._short:  # it stands in for the capacity it took

@@ -386,6 +386,7 @@ class _CompatCore(StagingContext):
             add, discard, has = self._add_key_locked, self._discard_key_locked, self._has_key
         added = 0
         to_log: list[int] = []
+        # mutant-site: write-many
         with self._lock.write():
             if self._strict:
                 self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
@@ -504,10 +505,12 @@ class _CompatCore(StagingContext):
     def purge_and_tombstone(self, room: int) -> RoomPurge:
         """Purge the room (both views) and remember its id, in ONE critical section that
         never times out. Write lock; atomic."""
+        # mutant-site: purge-and-tombstone-with
         with self._lock.write_untimed():
             result = self._purge_locked(room, None)
             if self._tombstone_capacity:
                 tombstones = self._tombstones
+                # mutant-site: purge-and-tombstone-if
                 if room in tombstones:
                     tombstones.move_to_end(room)
                     tombstones[room] = False  # a new purge: its first refusal logs again
@@ -655,6 +658,7 @@ class _SetView(MutableSet[T], Generic[T]):
             TypeError, ValueError: ``value`` is malformed, or an id is not below ``2**63``.
             RoomPurgedError: strict mode, and the room was purged recently.
         """
+        # mutant-site: test-and-add
         return self._test_and_add(self._check(value))
 
     def discard(self, value: object) -> None:
@@ -678,6 +682,7 @@ class _SetView(MutableSet[T], Generic[T]):
             TypeError: ``value`` is unhashable.
         """
         item = _maybe(self._check, value)
+        # mutant-site: remove
         if item is None or not self._discard(item):
             raise KeyError(value)
 
@@ -694,6 +699,7 @@ class _SetView(MutableSet[T], Generic[T]):
         # The view itself adds nothing (``view |= view`` is a no-op, not a re-add of an
         # earlier snapshot over what other threads removed meanwhile).
         items = [self._check(x) for x in _all(tuple(o for o in others if o is not self))]
+        # mutant-site: update
         if items:
             self._core.write_many(self._ROOMS, adds=items)
 
@@ -733,8 +739,10 @@ class _SetView(MutableSet[T], Generic[T]):
             these = _frozen(other)
             if these is None:
                 raise TypeError(f"intersection_update needs iterables, got {other!r}")
+            # mutant-site: intersection-update-set-plain
             plain = _members(self._check, these)
             keep = plain if keep is None else keep & plain
+        # mutant-site: intersection-update-if
         if keep is not None:
             self._core.write_many(self._ROOMS, keep=keep)
 
@@ -801,6 +809,7 @@ class _SetView(MutableSet[T], Generic[T]):
         """One snapshot of this view and ``other`` as a frozenset (``None``: not iterable).
         The view compared with itself is ONE snapshot on both sides, so ``view == view``,
         ``view - view`` and the rest answer as for one set, whatever other threads write."""
+        # mutant-site: pair
         if other is self:
             mine = self.snapshot()
             return mine, mine
@@ -1110,6 +1119,7 @@ class CompatStagingContext(FixedViews):
         Raises:
             TypeError, ValueError: ``room`` is not an integer in ``[0, 2**63)``.
         """
+        # mutant-site: reopen-room
         return self._core.reopen(_room_id(room))
 
     def lift_tombstone(self, room: int) -> bool:

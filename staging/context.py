@@ -286,6 +286,7 @@ class StagingContext:
             TypeError, ValueError: bad ``room``.
         """
         room_id, generation = self._ref(room)
+        # mutant-site: purge-room
         with self._lock.write_untimed():
             state = self._close_locked(room_id, generation)
         if state is None:
@@ -318,6 +319,7 @@ class StagingContext:
         """
         session_id = check_session_id(session_id)
         touched: list[int] = []
+        # mutant-site: purge-session-with
         with self._lock.write_untimed():
             by_room = self._session_rooms.pop(session_id, None)
             if not by_room:
@@ -327,6 +329,7 @@ class StagingContext:
                 state.sessions.discard(session_id)
                 doomed = [key for key in state.requests if key[1] == session_id]
                 if doomed:
+                    # mutant-site: purge-session-call-difference-update
                     state.requests.difference_update(doomed)
                     self._requested_keys -= len(doomed)
                     touched.append(room_id)
@@ -374,9 +377,11 @@ class StagingContext:
             lock._acquire_contended(mutex, "write", untimed=False)
         try:
             state = self._rooms.get(room_id)
+            # mutant-site: request-prefetch-if
             if state is None or (generation is not None and state.generation != generation):
                 self._refuse(room_id, generation)
                 return False
+            # mutant-site: request-prefetch-set-requests
             requests = state.requests
             if key in requests:
                 return False
@@ -387,6 +392,7 @@ class StagingContext:
             return True
         finally:
             if mutex is not None:
+                # mutant-site: request-prefetch-set-owner
                 lock._owner = None
                 mutex.release()
             else:
@@ -480,11 +486,13 @@ class StagingContext:
         else:
             room_id, generation = self._ref(room)
         lock = self._lock
+        # mutant-site: mark-prefetched-call-acquire-write
         lock.acquire_write()
         try:
             state = self._rooms.get(room_id)
             if state is None or (generation is not None and state.generation != generation):
                 self._refuse(room_id, generation)
+                # mutant-site: mark-prefetched-return
                 return False
             if state.prefetched:
                 return False
@@ -547,7 +555,9 @@ class StagingContext:
             chunk_idx = check_chunk_idx(chunk_idx)
         if type(session_id) is not str or not session_id:
             session_id = check_session_id(session_id)
+        # mutant-site: is-requested-set-state
         state = self._rooms.get(room_id)
+        # mutant-site: is-requested-return
         return (
             state is not None
             and (generation is None or state.generation == generation)
@@ -590,6 +600,7 @@ class StagingContext:
     @property
     def prefetch_requested(self) -> frozenset[PrefetchKey]:
         """Snapshot of every ``(room, chunk_idx, session_id)`` key. Thread-safe; read lock."""
+        # mutant-site: prefetch-requested
         with self._lock.read():
             return self._requested_unlocked()
 

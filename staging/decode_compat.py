@@ -277,6 +277,7 @@ class DecodeCompatContext(FixedViews):
             TypeError: ``room`` is unhashable.
         """
         k = _hashable(room)
+        # mutant-site: room-entry
         with self._lock:
             return self._bootstrap.get(k), self._receivers.get(k)
 
@@ -289,6 +290,7 @@ class DecodeCompatContext(FixedViews):
             TypeError: ``room`` is unhashable.
         """
         k = _hashable(room)
+        # mutant-site: purge-room
         with self._lock:
             bootstrap = self._bootstrap.pop(k, None)
             receiver = self._receivers.pop(k, None)

@@ -247,6 +247,7 @@ class _FastMutexGuard(_Guard):
 
     def __enter__(self) -> None:
         if not self._inner.acquire(False):
+            # mutant-site: enter
             self._lock._acquire_contended(self._inner, self._mode, untimed=self._untimed)
             return
         lock = self._lock
@@ -262,6 +263,7 @@ class _FastMutexGuard(_Guard):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # mutant-site: exit
         self._lock._owner = None
         self._inner.release()
 
@@ -352,6 +354,7 @@ class _LockBase:
         the holder finishes its section, and our retry takes the lock while holding the
         GIL: nobody ever waits in the kernel with the lock in hand.
         """
+        # mutant-site: acquire-contended
         with self._stats_lock:
             self._contended += 1
         timeout = -1.0 if untimed else self._timeout_arg
@@ -478,6 +481,7 @@ class RWLock(_LockBase):
 
     def write(self) -> _Guard:
         """Hold exclusively. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        # mutant-site: write
         return _Guard(self, self._rw.gen_wlock(), "write")
 
     def write_untimed(self) -> _Guard:

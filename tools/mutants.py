@@ -5,8 +5,9 @@ For each mutant (every ``tools/mutants_*.py`` data module, e.g. ``tools/mutants_
 
 1. copies the repository (tracked and untracked files git does not ignore; no ``.venv``, no
    caches) into a scratch directory under a temporary directory,
-2. replaces the mutant's snippet, which must occur exactly once (else: "stale mutant", exit 2,
-   before anything runs),
+2. replaces the mutant's site -- the statement(s) at its ``# mutant-site: NAME`` tag, which
+   must occur exactly once in its file (:mod:`tools.mutant_sites`) -- with its replacement
+   (else: "stale mutant", exit 2, before anything runs),
 3. runs the mutant's fast targeted tests with this interpreter (the project venv under
    ``make``), cwd and ``PYTHONPATH`` = the copy, through the :mod:`tools.mutants_guard`
    plugin, which checks that ``staging``/``sender``/``stress`` and the mutated module were
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools.mutant_sites import SiteError, locate, mutate
 from tools.mutants_spec import NOT_CONCURRENCY_CHECKS, Mutant
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +76,7 @@ CONCURRENCY_SIGNALS = frozenset({"fast_switch", "threads", "dpor", "stress"})
 
 
 class StaleMutantError(Exception):
-    """A mutant's snippet is not found exactly once in its file."""
+    """A mutant's site tag is not found exactly once in its file, or is not at a statement."""
 
 
 class ImportCheckError(Exception):
@@ -143,27 +145,40 @@ def select(mutants: Sequence[Mutant], only: str | None) -> list[Mutant]:
     return [m for m in mutants if m.id in wanted]
 
 
-def occurrences(mutant: Mutant, root: Path) -> int:
-    """How many times the mutant's snippet occurs in its file under ``root`` (0: no file)."""
+def site_problem(mutant: Mutant, root: Path) -> str | None:
+    """Why the mutant cannot be applied to the copy at ``root`` (``None``: it can)."""
     path = root / mutant.file
-    return path.read_text(encoding="utf-8").count(mutant.original) if path.is_file() else 0
+    if not path.is_file():
+        return f"{mutant.file}: no such file"
+    try:
+        locate(path.read_text(encoding="utf-8"), mutant.site, mutant.statements)
+    except SiteError as exc:
+        return f"{mutant.file}: {exc}"
+    return None
 
 
 def apply(mutant: Mutant, root: Path) -> None:
     """Apply ``mutant`` to the copy at ``root``.
 
     Raises:
-        StaleMutantError: the snippet is not found exactly once.
+        StaleMutantError: its site tag is not found exactly once or is not at a statement,
+            the replacement is the site's code, or the mutated file does not parse.
     """
-    count = occurrences(mutant, root)
-    if count != 1:
-        raise StaleMutantError(
-            f"mutant {mutant.id}: its snippet occurs {count} times in {mutant.file} "
-            "(expected exactly once): update it in the mutant list"
-        )
     path = root / mutant.file
-    text = path.read_text(encoding="utf-8")
-    path.write_text(text.replace(mutant.original, mutant.replacement), encoding="utf-8")
+    problem = site_problem(mutant, root)
+    if problem is not None:
+        raise StaleMutantError(f"mutant {mutant.id}: {problem}: update the tag or the mutant")
+    original = path.read_text(encoding="utf-8")
+    text = mutate(original, mutant.site, mutant.replacement, mutant.statements)
+    if text == original:
+        raise StaleMutantError(f"mutant {mutant.id}: its replacement is its site's code (no-op)")
+    try:
+        compile(text, str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise StaleMutantError(
+            f"mutant {mutant.id}: the mutated file does not parse: {exc}"
+        ) from exc
+    path.write_text(text, encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------- scratch copy
@@ -417,6 +432,8 @@ def list_table(mutants: Sequence[Mutant]) -> str:
     lines = [f"{'id':40s} {'kind':10s} {'file':22s} description"]
     for m in mutants:
         lines.append(f"{m.id:40s} {m.kind:10s} {m.file:22s} {m.description}")
+        count = f" ({m.statements} statements)" if m.statements > 1 else ""
+        lines.append(f"{'':74s}site: {m.site}{count}")
         lines.append(
             f"{'':74s}runs: {' '.join(m.tests)}" + "".join(f" stress:{s}" for s in m.stress)
         )
@@ -493,11 +510,11 @@ def _run_all(
     base = tmp / "base"
     copied = snapshot(REPO, base)
     override = [t for t in args.tests.split(",") if t] or None
-    stale = [  # every snippet is checked before anything runs
-        f"{m.id} ({m.file}: found {n} times)" for m in chosen if (n := occurrences(m, base)) != 1
+    stale = [  # every site is checked before anything runs
+        f"{m.id} ({problem})" for m in chosen if (problem := site_problem(m, base)) is not None
     ]
     if stale:
-        raise StaleMutantError("stale mutants, snippet not found exactly once: " + "; ".join(stale))
+        raise StaleMutantError("stale mutants: " + "; ".join(stale))
     print(f"{len(chosen)} mutants; copy of {copied} files in {base}; python {args.python}")
     print(f"logs and report: {args.json.parent}")
 

@@ -12,8 +12,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="audit-allows-stale",
         file="stress/scenarios/_page_audit.py",
-        original="        allowed = {u.digest for u in history[last:]}\n",
-        replacement="        allowed = {u.digest for u in history}\n",
+        site="judge",
+        replacement="""\
+allowed = {u.digest for u in history}
+""",
         kind="lifecycle",
         description=(
             "the page audit accepts the bytes of any room ever given the page, also one given "
@@ -26,11 +28,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="stamps-src-back-early",
         file="stress/harness/driver.py",
-        original="        pool.held.append(_Held(handle, pages, release_at, src))\n",
+        site="hold",
         replacement=(
-            "        pool.held.append(_Held(handle, pages, release_at, None))\n"
-            "        if self.sources is not None and src is not None:\n"
-            "            self.sources.give_back(src.tolist())\n"
+            """\
+pool.held.append(_Held(handle, pages, release_at, None))
+if self.sources is not None and src is not None:
+    self.sources.give_back(src.tolist())
+"""
         ),
         kind="lifecycle",
         description=(

@@ -41,10 +41,10 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-gate-fresh-lock",
         file="sender/rooms.py",
-        original=("    def write_untimed(self) -> threading.Lock:\n        return self._lock\n"),
-        replacement=(
-            "    def write_untimed(self) -> threading.Lock:\n        return threading.Lock()\n"
-        ),
+        site="write-untimed",
+        replacement="""\
+return threading.Lock()
+""",
         kind="race",
         description=(
             "PlainGate hands out a fresh lock per use, so a room's post gate excludes nobody: "
@@ -62,14 +62,10 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-poll-unposted-done",
         file="sender/pipeline.py",
-        original=(
-            "        if transfer is None:  # registered, still being posted\n"
-            "            return False, None\n"
-        ),
-        replacement=(
-            "        if transfer is None:  # registered, still being posted\n"
-            "            return True, (chunk, None, False, False)\n"
-        ),
+        site="poll-once-return",
+        replacement="""\
+return True, (chunk, None, False, False)
+""",
         kind="race",
         description=(
             "a poller (inline progress() on another thread) that meets a chunk registered "
@@ -88,8 +84,11 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-purge-by-id",
         file="sender/rooms.py",
-        original=("            if self.rooms.get(room) is not entry:  # another purge won\n"),
-        replacement=("            if room not in self.rooms:  # another purge won\n"),
+        site="purge-if-2",
+        replacement=("""\
+if room not in self.rooms:  # another purge won
+    return ManagerPurge(room, False, None, (), None, 0, 0)
+"""),
         kind="race",
         description=(
             "purge re-checks by room id instead of by entry under the gate: a stale purge "
@@ -107,18 +106,14 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-enqueue-after-lock",
         file="sender/pipeline.py",
-        original=(
-            "                handle, chunk_idx, start, kv_indices, src_checked, is_"
-            "last, enqueue=enqueue\n"
-            "            )\n"
-            "            return 0 if chunks is None else len(chunks)\n"
-        ),
-        replacement=(
-            "                handle, chunk_idx, start, kv_indices, src_checked, is_"
-            "last, enqueue=None\n"
-            "            )\n"
-            "            return 0 if not chunks else (enqueue(chunks), len(chunks))[1]\n"
-        ),
+        site="submit-set-chunks",
+        statements=2,
+        replacement="""\
+chunks = rooms.begin_chunk(
+    handle, chunk_idx, start, kv_indices, src_checked, is_last, enqueue=None
+)
+return 0 if not chunks else (enqueue(chunks), len(chunks))[1]
+""",
         kind="race",
         description=(
             "worker mode queues a send's unit after the ROOM lock is released, so close()'s "
@@ -137,8 +132,10 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-claim-test-then-set",
         file="sender/chunks.py",
-        original=("        return self._claim.acquire(False)\n"),
-        replacement=("        return not self.ended and self._claim.acquire(False) is not None\n"),
+        site="claim",
+        replacement=("""\
+return not self.ended and self._claim.acquire(False) is not None
+"""),
         kind="race",
         description=(
             "the claim tests 'ended' and then acquires, ignoring the acquire's result: two "
@@ -156,14 +153,10 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-drained-ignores-slots",
         file="sender/pipeline.py",
-        original=(
-            "                left = rooms.lingering_locked(handle)\n"
-            "            rooms.await_published(unpublished)"
-        ),
-        replacement=(
-            "                left = len(pending)\n"
-            "            rooms.await_published(unpublished)"
-        ),
+        site="wait-drained",
+        replacement="""\
+left = len(pending)
+""",
         kind="race",
         description=(
             "wait_drained() counts only draining chunks, not the staging slots a worker still "
@@ -182,12 +175,10 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-close-grace-min",
         file="sender/manager.py",
-        original=(
-            "        settle_until = max(deadline, time.monotonic() + _CLAIMED_END_GRACE_S)\n"
-        ),
-        replacement=(
-            "        settle_until = min(deadline, time.monotonic() + _CLAIMED_END_GRACE_S)\n"
-        ),
+        site="close-set-settle-until",
+        replacement="""\
+settle_until = min(deadline, time.monotonic() + _CLAIMED_END_GRACE_S)
+""",
         kind="race",
         description=(
             "close() no longer waits past its (already spent) deadline for chunk ends another "
@@ -205,147 +196,71 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-notice-hold-stale",
         file="sender/rooms.py",
-        original=(
-            "        with self.lock.read():\n"
-            "            entry = self.rooms.get(room)\n"
-            "        if entry is None or (generation is not None and entry.handle.g"
-            "eneration != generation):\n"
-            "            return ManagerPurge(room, False, None, (), None, 0, 0)\n"
-            "        after = After()\n"
-            "        with entry.gate.write_untimed(), self.lock.write_untimed():\n"
-            "            if self.rooms.get(room) is not entry:  # another purge won\n"
-            "                return ManagerPurge(room, False, None, (), None, 0, 0)\n"
-            "            del self.rooms[room]\n"
-            "            status = self.request_status.get(room)\n"
-            "            exception = self.exceptions.get(room)\n"
-            "            tables: list[str] = []\n"
-            "            for name, table in self.tables_locked():  # a plain loop: "
-            "DPOR traces it precisely\n"
-            "                if table.pop(room, None) is not None:\n"
-            "                    tables.append(name)\n"
-            "            staged = self.staging.purge_room(entry.handle)\n"
-            "            # Staging slots are not returned here: every slot of this "
-            "opening is held by a\n"
-            "            # thread (gathering into it, or under a posted chunk), and"
-            " that thread returns it\n"
-            "            # when it skips the chunk or when the chunk ends. Returnin"
-            "g it now would let\n"
-            "            # another room lease and overwrite a slot that a transfer "
-            "still reads from.\n"
-            "            with self.failure_lock.write():\n"
-            "                record = self.failure_records.pop(room, None)\n"
-            "                if record is not None:\n"
-            '                    tables.append("failure_records")\n'
-            "            for chunk_id, chunk in entry.inflight.items():\n"
-            "                self.draining[chunk_id] = chunk\n"
-            "            draining = len(entry.inflight)\n"
-            "            if draining:\n"
-            "                self.draining_by_handle[entry.handle] = draining\n"
-            "            entry.inflight.clear()\n"
-            '            self.counts["purges"] += 1\n'
-            "            if not is_concluded(status):\n"
-            '                self.counts["rooms_cleared"] += 1\n'
-            "                entry.concluded = True\n"
-            "                after.logs.append(\n"
-            "                    (\n"
-            "                        logging.INFO,\n"
-            '                        "room %d generation %d cleared before it concl'
-            'uded (status %s, "\n'
-            '                        "%d chunks draining)",\n'
-            "                        (room, entry.handle.generation, getattr(status"
-            ', "name", status),\n'
-            "                         draining),\n"
-            "                    )\n"
-            "                )\n"
-            "                if self.events is not None:\n"
-            "                    after.concluded.append(\n"
-            '                        (room, entry.handle.generation, "cleared", "cleared",\n'
-            "                         time.monotonic() - entry.opened_at)\n"
-            "                    )\n"
-            "            # None for a room that succeeded, then failed (docs/PROTOCOL.md).\n"
-            "            if self.notifier.enabled and status is not KVPoll.Success and not entry"
-            ".succeeded:\n"
-            "                failed = status is _FAILED\n"
-            "                notice = RoomNotice(\n"
-            "                    room,\n"
-            "                    entry.handle.generation,\n"
-            '                    "failed" if failed else "cleared",\n'
-            "                    (entry.failure_code or code_for(record, exception)"
-            ') if failed else "cleared",\n'
-            "                )\n"
-            "                if draining:\n"
-        ),
-        replacement=(
-            "        with self.lock.read():\n"
-            "            entry = self.rooms.get(room)\n"
-            "            busy = entry is not None and bool(entry.inflight)\n"
-            "        if entry is None or (generation is not None and entry.handle.g"
-            "eneration != generation):\n"
-            "            return ManagerPurge(room, False, None, (), None, 0, 0)\n"
-            "        after = After()\n"
-            "        with entry.gate.write_untimed(), self.lock.write_untimed():\n"
-            "            if self.rooms.get(room) is not entry:  # another purge won\n"
-            "                return ManagerPurge(room, False, None, (), None, 0, 0)\n"
-            "            del self.rooms[room]\n"
-            "            status = self.request_status.get(room)\n"
-            "            exception = self.exceptions.get(room)\n"
-            "            tables: list[str] = []\n"
-            "            for name, table in self.tables_locked():  # a plain loop: "
-            "DPOR traces it precisely\n"
-            "                if table.pop(room, None) is not None:\n"
-            "                    tables.append(name)\n"
-            "            staged = self.staging.purge_room(entry.handle)\n"
-            "            # Staging slots are not returned here: every slot of this "
-            "opening is held by a\n"
-            "            # thread (gathering into it, or under a posted chunk), and"
-            " that thread returns it\n"
-            "            # when it skips the chunk or when the chunk ends. Returnin"
-            "g it now would let\n"
-            "            # another room lease and overwrite a slot that a transfer "
-            "still reads from.\n"
-            "            with self.failure_lock.write():\n"
-            "                record = self.failure_records.pop(room, None)\n"
-            "                if record is not None:\n"
-            '                    tables.append("failure_records")\n'
-            "            for chunk_id, chunk in entry.inflight.items():\n"
-            "                self.draining[chunk_id] = chunk\n"
-            "            draining = len(entry.inflight)\n"
-            "            if draining:\n"
-            "                self.draining_by_handle[entry.handle] = draining\n"
-            "            entry.inflight.clear()\n"
-            '            self.counts["purges"] += 1\n'
-            "            if not is_concluded(status):\n"
-            '                self.counts["rooms_cleared"] += 1\n'
-            "                entry.concluded = True\n"
-            "                after.logs.append(\n"
-            "                    (\n"
-            "                        logging.INFO,\n"
-            '                        "room %d generation %d cleared before it concl'
-            'uded (status %s, "\n'
-            '                        "%d chunks draining)",\n'
-            "                        (room, entry.handle.generation, getattr(status"
-            ', "name", status),\n'
-            "                         draining),\n"
-            "                    )\n"
-            "                )\n"
-            "                if self.events is not None:\n"
-            "                    after.concluded.append(\n"
-            '                        (room, entry.handle.generation, "cleared", "cleared",\n'
-            "                         time.monotonic() - entry.opened_at)\n"
-            "                    )\n"
-            "            # None for a room that succeeded, then failed (docs/PROTOCOL.md).\n"
-            "            if self.notifier.enabled and status is not KVPoll.Success and not entry"
-            ".succeeded:\n"
-            "                failed = status is _FAILED\n"
-            "                notice = RoomNotice(\n"
-            "                    room,\n"
-            "                    entry.handle.generation,\n"
-            '                    "failed" if failed else "cleared",\n'
-            "                    (entry.failure_code or code_for(record, exception)"
-            ') if failed else "cleared",\n'
-            "                )\n"
-            "                if busy:\n"
-        ),
+        site="purge-if-1",
+        statements=3,
+        replacement="""\
+    busy = entry is not None and bool(entry.inflight)
+if entry is None or (generation is not None and entry.handle.generation != generation):
+    return ManagerPurge(room, False, None, (), None, 0, 0)
+after = After()
+with entry.gate.write_untimed(), self.lock.write_untimed():
+    if self.rooms.get(room) is not entry:  # another purge won
+        return ManagerPurge(room, False, None, (), None, 0, 0)
+    del self.rooms[room]
+    status = self.request_status.get(room)
+    exception = self.exceptions.get(room)
+    tables: list[str] = []
+    for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
+        if table.pop(room, None) is not None:
+            tables.append(name)
+    staged = self.staging.purge_room(entry.handle)
+    # Staging slots are not returned here: every slot of this opening is held by a
+    # thread (gathering into it, or under a posted chunk), and that thread returns it
+    # when it skips the chunk or when the chunk ends. Returning it now would let
+    # another room lease and overwrite a slot that a transfer still reads from.
+    with self.failure_lock.write():
+        record = self.failure_records.pop(room, None)
+        if record is not None:
+            tables.append("failure_records")
+    for chunk_id, chunk in entry.inflight.items():
+        self.draining[chunk_id] = chunk
+    draining = len(entry.inflight)
+    if draining:
+        self.draining_by_handle[entry.handle] = draining
+    entry.inflight.clear()
+    self.counts["purges"] += 1
+    if not is_concluded(status):
+        self.counts["rooms_cleared"] += 1
+        entry.concluded = True
+        after.logs.append(
+            (
+                logging.INFO,
+                "room %d generation %d cleared before it concluded (status %s, "
+                "%d chunks draining)",
+                (room, entry.handle.generation, getattr(status, "name", status),
+                 draining),
+            )
+        )
+        if self.events is not None:
+            after.concluded.append(
+                (room, entry.handle.generation, "cleared", "cleared",
+                 time.monotonic() - entry.opened_at)
+            )
+    # None for a room that succeeded, then failed (docs/PROTOCOL.md).
+    if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
+        failed = status is _FAILED
+        notice = RoomNotice(
+            room,
+            entry.handle.generation,
+            "failed" if failed else "cleared",
+            (entry.failure_code or code_for(record, exception)) if failed else "cleared",
+        )
+        if busy:
+            self.notifier.hold(entry.handle, notice, entry.sessions)
+        else:
+            self.notifier.enqueue(notice, entry.sessions)
+    self.seal_locked(after)
+""",
         kind="race",
         description=(
             "purge decides hold-vs-queue from entry.inflight read under the read lock BEFORE "
@@ -365,8 +280,15 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-notice-one-early",
         file="sender/rooms.py",
-        original=("                elif drained and left == 0:\n"),
-        replacement=("                elif drained and left <= 1:\n"),
+        site="account-ends-if-1",
+        replacement=("""\
+if abandoned:
+    # Its writes were given up, not drained: they may still land, so the
+    # decode side must not be told it may reuse the room's pages.
+    self.notifier.withhold(handle)
+elif drained and left <= 1:
+    self.notifier.drained(handle)  # its opening's last posted chunk ended
+"""),
         kind="sequential",
         description=(
             "the held notice is queued when the second-to-last draining chunk of the opening "
@@ -382,18 +304,39 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-poll-released-unlocked",
         file="sender/transport.py",
-        original=(
-            "        with self._lock:\n"
-            "            if self._released:\n"
-            '                raise TransferReleasedError(f"poll() on a released tra'
-            'nsfer: {self!r}")\n'
-        ),
-        replacement=(
-            "        if self._released:\n"
-            '            raise TransferReleasedError(f"poll() on a released transfe'
-            'r: {self!r}")\n'
-            "        with self._lock:\n"
-        ),
+        site="poll-with",
+        replacement="""\
+if self._released:
+    raise TransferReleasedError(f"poll() on a released transfer: {self!r}")
+with self._lock:
+    if self._done:
+        return "DONE"
+    if self._failure is not None:
+        raise self._failure
+    try:
+        status = self._ops.getXferStatus(self._handle)
+    except Exception as exc:
+        converted = self._fail_locked(exc, timed_out=False)
+        if converted is exc:
+            raise
+        raise converted from exc
+    if status == _NIXL_DONE:
+        self._done = True
+        if self._peer.disconnected:  # it completed: the peer is reachable again
+            self._peer.disconnected = False
+        self._transport._on_done()
+        return "DONE"
+    if status != _NIXL_PROC:
+        err = TransferFailedError(f"NIXL transfer status {status!r} for {self!r}")
+        self._fail_locked(err, timed_out=False)
+        raise err
+    if time.monotonic() - self._start >= self._timeout_s:
+        err2 = TransferTimeoutError(self._peer.session_id, self._timeout_s)
+        self._timed_out = True
+        self._fail_locked(err2, timed_out=True)
+        raise err2
+    return "PROC"
+""",
         kind="race",
         description=(
             "Transfer.poll() tests _released before taking the transfer's lock: a release "
@@ -413,8 +356,10 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-unknown-peer-dead",
         file="sender/transport.py",
-        original=("        return peer is not None and peer.disconnected\n"),
-        replacement=("        return peer is None or peer.disconnected\n"),
+        site="peer-disconnected",
+        replacement=("""\
+return peer is None or peer.disconnected
+"""),
         kind="sequential",
         description=(
             "peer_disconnected() says True for a session that is not a peer (removed, never "
@@ -431,8 +376,11 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-scan-nondecreasing",
         file="sender/pages.py",
-        original=("    if np.count_nonzero(pages[1:] > pages[:-1]) == n - 1:\n"),
-        replacement=("    if np.count_nonzero(pages[1:] >= pages[:-1]) == n - 1:\n"),
+        site="scan-pages-if",
+        replacement=("""\
+if np.count_nonzero(pages[1:] >= pages[:-1]) == n - 1:
+    return pages.item(0), pages.item(-1), False
+"""),
         kind="sequential",
         description=(
             "scan_pages' fast path takes NON-decreasing lists (over 32 pages) as strictly "
@@ -448,14 +396,8 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-timeout-not-marked",
         file="sender/transport.py",
-        original=(
-            "                err2 = TransferTimeoutError(self._peer.session_id, sel"
-            "f._timeout_s)\n"
-            "                self._timed_out = True\n"
-        ),
-        replacement=(
-            "                err2 = TransferTimeoutError(self._peer.session_id, self._timeout_s)\n"
-        ),
+        site="poll-set-timed-out",
+        replacement="",  # the statement deleted
         kind="sequential",
         description=(
             "Transfer.poll() no longer marks a deadline failure as ours (the line looks "
@@ -472,38 +414,14 @@ _STUDY: tuple[Mutant, ...] = (
         stress=("sender-audit",),
     ),
     Mutant(
-        id="blind-guard-owner-after-release",
-        file="staging/locks.py",
-        original=("        self._lock._owner = None\n        self._inner.release()\n"),
-        replacement=("        self._inner.release()\n        self._lock._owner = None\n"),
-        kind="race",
-        description=(
-            "_FastMutexGuard releases the mutex before clearing the owner, so it can erase "
-            "the NEXT holder's owner: violates 'then the holder writes the owner and its "
-            "counter, as the full path does' (assert_held() on a non-debug mutex fails for "
-            "its real holder)"
-        ),
-        tests=(
-            "tests/test_locks.py",
-            "tests/test_staging_contract.py",
-            "tests/test_staging_races.py",
-        ),
-        stress=("staging-race",),
-    ),
-    Mutant(
         id="blind-compat-remove-racy",
         file="staging/compat.py",
-        original=(
-            "        item = _maybe(self._check, value)\n"
-            "        if item is None or not self._discard(item):\n"
-            "            raise KeyError(value)\n"
-        ),
-        replacement=(
-            "        item = _maybe(self._check, value)\n"
-            "        if item is None or item not in self:\n"
-            "            raise KeyError(value)\n"
-            "        self._discard(item)\n"
-        ),
+        site="remove",
+        replacement="""\
+if item is None or item not in self:
+    raise KeyError(value)
+self._discard(item)
+""",
         kind="race",
         description=(
             "view.remove() tests membership lock-free, then discards: two removers of one key "
@@ -518,60 +436,26 @@ _STUDY: tuple[Mutant, ...] = (
         stress=("staging-race",),
     ),
     Mutant(
-        id="blind-compat-tombstone-split",
-        file="staging/compat.py",
-        original=(
-            "        with self._lock.write_untimed():\n"
-            "            result = self._purge_locked(room, None)\n"
-            "            if self._tombstone_capacity:\n"
-        ),
-        replacement=(
-            "        with self._lock.write_untimed():\n"
-            "            result = self._purge_locked(room, None)\n"
-            "        with self._lock.write_untimed():\n"
-            "            if self._tombstone_capacity:\n"
-        ),
-        kind="race",
-        description=(
-            "CompatStagingContext.purge_room purges and tombstones in two critical sections: "
-            "a late add in between re-creates the room, which is then open AND tombstoned "
-            "after the purge returned: violates 'purge_and_tombstone: Purge the room (both "
-            "views) and remember its id, in ONE critical section' and 'a room id is never "
-            "open and tombstoned at once' (a late writer resurrects a purged room)"
-        ),
-        tests=(
-            "tests/test_compat.py",
-            "tests/test_dpor_compat.py",
-            "tests/test_staging_races.py",
-        ),
-        stress=("staging-race",),
-    ),
-    Mutant(
         id="blind-mark-prefetched-stale",
         file="staging/context.py",
-        original=(
-            "        lock = self._lock\n"
-            "        lock.acquire_write()\n"
-            "        try:\n"
-            "            state = self._rooms.get(room_id)\n"
-            "            if state is None or (generation is not None and state.generation != "
-            "generation):\n"
-            "                self._refuse(room_id, generation)\n"
-            "                return False\n"
-            "            if state.prefetched:\n"
-        ),
-        replacement=(
-            "        lock = self._lock\n"
-            "        early = self._live_quiet(room_id, generation)\n"
-            "        lock.acquire_write()\n"
-            "        try:\n"
-            "            state = early or self._rooms.get(room_id)\n"
-            "            if state is None or (generation is not None and state.generation != "
-            "generation):\n"
-            "                self._refuse(room_id, generation)\n"
-            "                return False\n"
-            "            if state.prefetched:\n"
-        ),
+        site="mark-prefetched-call-acquire-write",
+        statements=2,
+        replacement="""\
+early = self._live_quiet(room_id, generation)
+lock.acquire_write()
+try:
+    state = early or self._rooms.get(room_id)
+    if state is None or (generation is not None and state.generation != generation):
+        self._refuse(room_id, generation)
+        return False
+    if state.prefetched:
+        return False
+    state.prefetched = True
+    self._prefetched_count += 1
+    return True
+finally:
+    lock.release_write()
+""",
         kind="race",
         description=(
             "mark_prefetched() decides on the room state it looked up lock-free before taking "
@@ -591,10 +475,10 @@ _STUDY: tuple[Mutant, ...] = (
     Mutant(
         id="blind-sweep-claim-ignored",
         file="sender/pipeline.py",
-        original=(
-            "        if not self._sweep_claim.acquire(False):\n            return\n        try:\n"
-        ),
-        replacement=("        self._sweep_claim.acquire(False)\n        try:\n"),
+        site="maybe-sweep",
+        replacement=("""\
+self._sweep_claim.acquire(False)
+"""),
         kind="race",
         description=(
             "maybe_sweep() ignores a failed try-acquire of the sweep claim: two threads sweep "

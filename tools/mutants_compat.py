@@ -2,8 +2,8 @@
 the compat contract must kill (``tests/test_dpor_compat.py``, the threaded upstream-shaped
 runs of ``tests/test_compat.py``).
 
-Each snippet must match the current source exactly once; when the code changes, update the
-snippet here (``make mutants`` stops with "stale mutant" until then).
+Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
+:mod:`tools.mutant_sites`. A missing or duplicated tag makes it stale.
 """
 
 from __future__ import annotations
@@ -21,18 +21,23 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="compat-purge-tombstone-split",
         file=COMPAT,
-        original="""\
-        with self._lock.write_untimed():
-            result = self._purge_locked(room, None)
-            if self._tombstone_capacity:
-""",
+        site="purge-and-tombstone-with",
         replacement="""\
-        with self._lock.write_untimed():
-            result = self._purge_locked(room, None)
-        # MUTANT: the tombstone is set in a second critical section; a late add in between
-        # re-creates the purged room, and the tombstone then hides it from nothing
-        with self._lock.write_untimed():
-            if self._tombstone_capacity:
+with self._lock.write_untimed():
+    result = self._purge_locked(room, None)
+# MUTANT: the tombstone is set in a second critical section; a late add in between
+# re-creates the purged room, and the tombstone then hides it from nothing
+with self._lock.write_untimed():
+    if self._tombstone_capacity:
+        tombstones = self._tombstones
+        if room in tombstones:
+            tombstones.move_to_end(room)
+            tombstones[room] = False  # a new purge: its first refusal logs again
+        else:
+            tombstones[room] = False
+            if len(tombstones) > self._tombstone_capacity:
+                tombstones.popitem(last=False)
+    return result
 """,
         kind="race",
         description="purge_room purges under one acquisition and tombstones under a second: "
@@ -42,14 +47,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="compat-test-and-add-check-then-act",
         file=COMPAT,
-        original="""\
-        return self._test_and_add(self._check(value))
-""",
+        site="test-and-add",
         replacement="""\
-        item = self._check(value)
-        present = item in self  # MUTANT: tested lock-free, then added: two winners
-        self._test_and_add(item)
-        return not present
+item = self._check(value)
+present = item in self  # MUTANT: tested lock-free, then added: two winners
+self._test_and_add(item)
+return not present
 """,
         kind="race",
         description="test_and_add checks with the lock-free `in` and then adds: two threads "
@@ -59,13 +62,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="compat-update-per-element",
         file=COMPAT,
-        original="""\
-        if items:
-            self._core.write_many(self._ROOMS, adds=items)
-""",
+        site="update",
         replacement="""\
-        for item in items:  # MUTANT: one lock acquisition per element
-            self._core.write_many(self._ROOMS, adds=(item,))
+for item in items:  # MUTANT: one lock acquisition per element
+    self._core.write_many(self._ROOMS, adds=(item,))
 """,
         kind="race",
         description="update (and |=) takes the lock once per element: a snapshot sees half "
@@ -81,16 +81,14 @@ MUTANTS += (
     Mutant(
         id="compat-reopen-lifts-tombstone-early",
         file=COMPAT,
-        original="""\
-        return self._core.reopen(_room_id(room))
-""",
+        site="reopen-room",
         replacement="""\
-        room = _room_id(room)
-        # MUTANT: the tombstone is lifted in its own critical section before reopen drops
-        # the id's keys: a late write in between is accepted, then silently dropped
-        with self._core._lock.write_untimed():
-            self._core._tombstones.pop(room, None)
-        return self._core.reopen(room)
+room = _room_id(room)
+# MUTANT: the tombstone is lifted in its own critical section before reopen drops
+# the id's keys: a late write in between is accepted, then silently dropped
+with self._core._lock.write_untimed():
+    self._core._tombstones.pop(room, None)
+return self._core.reopen(room)
 """,
         kind="race",
         description="reopen_room lifts the tombstone and drops the keys in two critical "
@@ -101,19 +99,11 @@ MUTANTS += (
     Mutant(
         id="compat-repurge-keeps-tombstone-age",
         file=COMPAT,
-        original="""\
-                if room in tombstones:
-                    tombstones.move_to_end(room)
-                    tombstones[room] = False  # a new purge: its first refusal logs again
-                else:
-                    tombstones[room] = False
-                    if len(tombstones) > self._tombstone_capacity:
-                        tombstones.popitem(last=False)
-""",
+        site="purge-and-tombstone-if",
         replacement="""\
-                tombstones[room] = False  # MUTANT: one insert path; a re-purge keeps its age
-                if len(tombstones) > self._tombstone_capacity:
-                    tombstones.popitem(last=False)
+tombstones[room] = False  # MUTANT: one insert path; a re-purge keeps its age
+if len(tombstones) > self._tombstone_capacity:
+    tombstones.popitem(last=False)
 """,
         kind="sequential",
         description="a re-purged id keeps its old place in the tombstone window and is "
@@ -123,14 +113,11 @@ MUTANTS += (
     Mutant(
         id="compat-intersection-decided-on-a-snapshot",
         file=COMPAT,
-        original="""\
-        if keep is not None:
-            self._core.write_many(self._ROOMS, keep=keep)
-""",
+        site="intersection-update-if",
         replacement="""\
-        if keep is not None:
-            keep = keep & self.snapshot()  # MUTANT: "only what is there can be kept"
-            self._core.write_many(self._ROOMS, keep=keep)
+if keep is not None:
+    keep = keep & self.snapshot()  # MUTANT: "only what is there can be kept"
+    self._core.write_many(self._ROOMS, keep=keep)
 """,
         kind="race",
         description="intersection_update narrows what it keeps to a snapshot taken before "
@@ -141,11 +128,9 @@ MUTANTS += (
     Mutant(
         id="compat-intersection-raw-elements",
         file=COMPAT,
-        original="""\
-            plain = _members(self._check, these)
-""",
+        site="intersection-update-set-plain",
         replacement="""\
-            plain = these  # MUTANT: the caller's raw elements are compared under the lock
+plain = these  # MUTANT: the caller's raw elements are compared under the lock
 """,
         kind="sequential",
         description="intersection_update compares the caller's own elements under the write "
@@ -156,14 +141,10 @@ MUTANTS += (
     Mutant(
         id="compat-self-comparison-two-snapshots",
         file=COMPAT,
-        original="""\
-        if other is self:
-            mine = self.snapshot()
-            return mine, mine
-        theirs = _frozen(other)
-""",
+        site="pair",
+        statements=2,
         replacement="""\
-        theirs = _frozen(other)  # MUTANT: the view itself is snapshotted a second time
+theirs = _frozen(other)  # MUTANT: the view itself is snapshotted a second time
 """,
         kind="race",
         description="view == view (and view - view ...) takes two snapshots: under "
@@ -173,45 +154,26 @@ MUTANTS += (
     Mutant(
         id="compat-purge-session-per-room",
         file="staging/context.py",
-        original="""\
-        with self._lock.write_untimed():
-            by_room = self._session_rooms.pop(session_id, None)
-            if not by_room:
-                return frozenset()
-            for room_id in by_room:
-                state = self._rooms[room_id]
-                state.sessions.discard(session_id)
-                doomed = [key for key in state.requests if key[1] == session_id]
-                if doomed:
-                    state.requests.difference_update(doomed)
-                    self._requested_keys -= len(doomed)
-                    touched.append(room_id)
-                    if not state.requests:
-                        self._unindex(state, room_id)
-            if touched:
-                self._session_purges += 1
-        return frozenset(touched)
-""",
+        site="purge-session-with",
         replacement="""\
-        with self._lock.write_untimed():
-            by_room = self._session_rooms.pop(session_id, None)
-        if not by_room:
-            return frozenset()
-        for room_id in list(by_room):
-            with self._lock.write_untimed():  # MUTANT: one critical section per room
-                state = self._rooms[room_id]
-                state.sessions.discard(session_id)
-                doomed = [key for key in state.requests if key[1] == session_id]
-                if doomed:
-                    state.requests.difference_update(doomed)
-                    self._requested_keys -= len(doomed)
-                    touched.append(room_id)
-                    if not state.requests:
-                        self._unindex(state, room_id)
-        if touched:
-            with self._lock.write_untimed():
-                self._session_purges += 1
-        return frozenset(touched)
+with self._lock.write_untimed():
+    by_room = self._session_rooms.pop(session_id, None)
+if not by_room:
+    return frozenset()
+for room_id in list(by_room):
+    with self._lock.write_untimed():  # MUTANT: one critical section per room
+        state = self._rooms[room_id]
+        state.sessions.discard(session_id)
+        doomed = [key for key in state.requests if key[1] == session_id]
+        if doomed:
+            state.requests.difference_update(doomed)
+            self._requested_keys -= len(doomed)
+            touched.append(room_id)
+            if not state.requests:
+                self._unindex(state, room_id)
+if touched:
+    with self._lock.write_untimed():
+        self._session_purges += 1
 """,
         kind="race",
         description="purge_session drops each room's keys in its own critical section: a "

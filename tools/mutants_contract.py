@@ -7,11 +7,12 @@ notifier's table, the compat core's batched write); the checks are in
 ``tests/test_contract_sentences_sender.py`` and ``tests/test_contract_sentences_compat.py``
 (docs/THREADING.md, the guarantee table).
 
-Each snippet must match the current source exactly once (``make mutants`` stops with "stale
-mutant" otherwise; ``tests/test_mutants_current.py`` says so at test time). The sender's
-chunk pipeline and room table are being redesigned: the checks use only public behaviour and
-stay valid; a snippet of ``sender/pipeline.py``, ``sender/rooms.py`` or ``sender/manager.py``
-is to be re-planted in the new code, with the same description.
+Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
+:mod:`tools.mutant_sites`. A missing or duplicated tag makes it stale (``make mutants`` refuses
+to run it; ``tests/test_mutants_current.py`` says so at test time). The sender's chunk
+pipeline and room table are being redesigned: the checks use only public behaviour and stay
+valid; a mutant of ``sender/pipeline.py``, ``sender/rooms.py`` or ``sender/manager.py`` whose
+site goes away is to be re-planted in the new code, with the same description.
 """
 
 from __future__ import annotations
@@ -30,19 +31,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="contract-slot-check-only-once-waiting",
         file="sender/pipeline.py",
-        original="""\
-        def on_wake() -> None:
-            self._end_slot_holders()
-            self._give_up_if_slots_all_hung(session)
-""",
+        site="on-wake-1",
         replacement="""\
-        waits: list[None] = []
+waits: list[None] = []
 
-        def on_wake() -> None:  # MUTANT: the hung-holder check only once a wait has begun
-            self._end_slot_holders()
-            if waits:
-                self._give_up_if_slots_all_hung(session)
-            waits.append(None)
+def on_wake() -> None:  # MUTANT: the hung-holder check only once a wait has begun
+    self._end_slot_holders()
+    if waits:
+        self._give_up_if_slots_all_hung(session)
+    waits.append(None)
 """,
         kind="sequential",
         description="the slot wait's hung-holder check is skipped on its first call, which "
@@ -54,12 +51,21 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="contract-removed-peer-is-a-hung-peer",
         file="sender/errors.py",
-        original="""\
-    def __init__(self, session_id: str) -> None:
-        super().__init__(f"unknown session {session_id!r} (never added, or removed)")
-        self.session_id = session_id
-""",
+        site="module",
         replacement="""\
+class PeerNotFoundError(TransportError):
+    \"\"\"No peer with this session id is known to the transport.
+
+    Chosen as a :class:`TransportError` (and a member of :data:`TRANSPORT_ERRORS`) rather than
+    a ``KeyError``: a session is unknown either because it was never added (a bug, which tests
+    catch) or because another thread removed it after a failure — at run time the second case
+    dominates, and for the caller it means the same as NIXL's ``nixlNotFoundError`` for a
+    removed remote agent: the peer is gone.
+
+    Attributes:
+        session_id: The unknown session id.
+    \"\"\"
+
     def __init__(self, session_id: str) -> None:
         TransportError.__init__(self, f"unknown session {session_id!r} (never added, or removed)")
         self.session_id = session_id
@@ -77,15 +83,13 @@ PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer 
     Mutant(
         id="contract-stats-counters-read-apart",
         file="sender/manager.py",
-        original="""\
-        with self._room_lock.read():
-            counts = dict(rooms.counts)
-            by_code = MappingProxyType(dict(rooms.failed_by_code))
-""",
+        site="stats-with",
         replacement="""\
-        counts = dict(rooms.counts)  # MUTANT: the counters read apart from the gauges
-        with self._room_lock.read():
-            by_code = MappingProxyType(dict(rooms.failed_by_code))
+counts = dict(rooms.counts)  # MUTANT: the counters read apart from the gauges
+with self._room_lock.read():
+    by_code = MappingProxyType(dict(rooms.failed_by_code))
+    open_rooms, inflight, draining = rooms.gauges()
+    pending = rooms.pending_locked()
 """,
         kind="race",
         description="stats() copies the counters before its read section: a purge in "
@@ -96,22 +100,73 @@ PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer 
     Mutant(
         id="contract-purge-counted-after-the-section",
         file="sender/rooms.py",
-        original="""\
-            self.seal_locked(after)
-        self.publish(after)
-        return ManagerPurge(
-            room, True, status, tuple(tables), staged, 0, 0, exception, record, draining
-        )
-""",
+        site="purge-with",
+        statements=3,
         replacement="""\
-            self.seal_locked(after)
-            self.counts["purges"] -= 1  # MUTANT: counted again after the section, apart
-        purges = self.counts["purges"]
-        self.counts["purges"] = purges + 1
-        self.publish(after)
-        return ManagerPurge(
-            room, True, status, tuple(tables), staged, 0, 0, exception, record, draining
+with entry.gate.write_untimed(), self.lock.write_untimed():
+    if self.rooms.get(room) is not entry:  # another purge won
+        return ManagerPurge(room, False, None, (), None, 0, 0)
+    del self.rooms[room]
+    status = self.request_status.get(room)
+    exception = self.exceptions.get(room)
+    tables: list[str] = []
+    for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
+        if table.pop(room, None) is not None:
+            tables.append(name)
+    staged = self.staging.purge_room(entry.handle)
+    # Staging slots are not returned here: every slot of this opening is held by a
+    # thread (gathering into it, or under a posted chunk), and that thread returns it
+    # when it skips the chunk or when the chunk ends. Returning it now would let
+    # another room lease and overwrite a slot that a transfer still reads from.
+    with self.failure_lock.write():
+        record = self.failure_records.pop(room, None)
+        if record is not None:
+            tables.append("failure_records")
+    for chunk_id, chunk in entry.inflight.items():
+        self.draining[chunk_id] = chunk
+    draining = len(entry.inflight)
+    if draining:
+        self.draining_by_handle[entry.handle] = draining
+    entry.inflight.clear()
+    self.counts["purges"] += 1
+    if not is_concluded(status):
+        self.counts["rooms_cleared"] += 1
+        entry.concluded = True
+        after.logs.append(
+            (
+                logging.INFO,
+                "room %d generation %d cleared before it concluded (status %s, "
+                "%d chunks draining)",
+                (room, entry.handle.generation, getattr(status, "name", status),
+                 draining),
+            )
         )
+        if self.events is not None:
+            after.concluded.append(
+                (room, entry.handle.generation, "cleared", "cleared",
+                 time.monotonic() - entry.opened_at)
+            )
+    # None for a room that succeeded, then failed (docs/PROTOCOL.md).
+    if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
+        failed = status is _FAILED
+        notice = RoomNotice(
+            room,
+            entry.handle.generation,
+            "failed" if failed else "cleared",
+            (entry.failure_code or code_for(record, exception)) if failed else "cleared",
+        )
+        if draining:
+            self.notifier.hold(entry.handle, notice, entry.sessions)
+        else:
+            self.notifier.enqueue(notice, entry.sessions)
+    self.seal_locked(after)
+    self.counts["purges"] -= 1  # MUTANT: counted again after the section, apart
+purges = self.counts["purges"]
+self.counts["purges"] = purges + 1
+self.publish(after)
+return ManagerPurge(
+    room, True, status, tuple(tables), staged, 0, 0, exception, record, draining
+)
 """,
         kind="race",
         description="a purge's count is made after its critical section (read, then "
@@ -126,19 +181,17 @@ PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer 
     Mutant(
         id="contract-notice-held-per-room-id",
         file="sender/notifier.py",
-        original="""\
-        self._held: dict[RoomHandle, _Item] = {}
-""",
+        site="init",
         replacement="""\
-        self._held: dict[RoomHandle, _Item] = type(  # MUTANT: held per room id
-            "HeldByRoomId",
-            (dict,),
-            {
-                "__setitem__": lambda d, k, v: dict.__setitem__(d, k.room, v),
-                "__contains__": lambda d, k: dict.__contains__(d, k.room),
-                "pop": lambda d, k, *default: dict.pop(d, k.room, *default),
-            },
-        )()
+self._held: dict[RoomHandle, _Item] = type(  # MUTANT: held per room id
+    "HeldByRoomId",
+    (dict,),
+    {
+        "__setitem__": lambda d, k, v: dict.__setitem__(d, k.room, v),
+        "__contains__": lambda d, k: dict.__contains__(d, k.room),
+        "pop": lambda d, k, *default: dict.pop(d, k.room, *default),
+    },
+)()
 """,
         kind="lifecycle",
         description="the notifier holds a room notice per room id, not per opening: the "
@@ -149,30 +202,70 @@ PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer 
     Mutant(
         id="contract-purge-status-before-the-gate",
         file="sender/rooms.py",
-        original="""\
-        with self.lock.read():
-            entry = self.rooms.get(room)
-        if entry is None or (generation is not None and entry.handle.generation != generation):
-            return ManagerPurge(room, False, None, (), None, 0, 0)
-        after = After()
-        with entry.gate.write_untimed(), self.lock.write_untimed():
-            if self.rooms.get(room) is not entry:  # another purge won
-                return ManagerPurge(room, False, None, (), None, 0, 0)
-            del self.rooms[room]
-            status = self.request_status.get(room)
-""",
+        site="purge-if-1",
+        statements=3,
         replacement="""\
-        with self.lock.read():
-            entry = self.rooms.get(room)
-            seen = self.request_status.get(room)  # MUTANT: the status read before the gate
-        if entry is None or (generation is not None and entry.handle.generation != generation):
-            return ManagerPurge(room, False, None, (), None, 0, 0)
-        after = After()
-        with entry.gate.write_untimed(), self.lock.write_untimed():
-            if self.rooms.get(room) is not entry:  # another purge won
-                return ManagerPurge(room, False, None, (), None, 0, 0)
-            del self.rooms[room]
-            status = seen
+    seen = self.request_status.get(room)  # MUTANT: the status read before the gate
+if entry is None or (generation is not None and entry.handle.generation != generation):
+    return ManagerPurge(room, False, None, (), None, 0, 0)
+after = After()
+with entry.gate.write_untimed(), self.lock.write_untimed():
+    if self.rooms.get(room) is not entry:  # another purge won
+        return ManagerPurge(room, False, None, (), None, 0, 0)
+    del self.rooms[room]
+    status = seen
+    exception = self.exceptions.get(room)
+    tables: list[str] = []
+    for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
+        if table.pop(room, None) is not None:
+            tables.append(name)
+    staged = self.staging.purge_room(entry.handle)
+    # Staging slots are not returned here: every slot of this opening is held by a
+    # thread (gathering into it, or under a posted chunk), and that thread returns it
+    # when it skips the chunk or when the chunk ends. Returning it now would let
+    # another room lease and overwrite a slot that a transfer still reads from.
+    with self.failure_lock.write():
+        record = self.failure_records.pop(room, None)
+        if record is not None:
+            tables.append("failure_records")
+    for chunk_id, chunk in entry.inflight.items():
+        self.draining[chunk_id] = chunk
+    draining = len(entry.inflight)
+    if draining:
+        self.draining_by_handle[entry.handle] = draining
+    entry.inflight.clear()
+    self.counts["purges"] += 1
+    if not is_concluded(status):
+        self.counts["rooms_cleared"] += 1
+        entry.concluded = True
+        after.logs.append(
+            (
+                logging.INFO,
+                "room %d generation %d cleared before it concluded (status %s, "
+                "%d chunks draining)",
+                (room, entry.handle.generation, getattr(status, "name", status),
+                 draining),
+            )
+        )
+        if self.events is not None:
+            after.concluded.append(
+                (room, entry.handle.generation, "cleared", "cleared",
+                 time.monotonic() - entry.opened_at)
+            )
+    # None for a room that succeeded, then failed (docs/PROTOCOL.md).
+    if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
+        failed = status is _FAILED
+        notice = RoomNotice(
+            room,
+            entry.handle.generation,
+            "failed" if failed else "cleared",
+            (entry.failure_code or code_for(record, exception)) if failed else "cleared",
+        )
+        if draining:
+            self.notifier.hold(entry.handle, notice, entry.sessions)
+        else:
+            self.notifier.enqueue(notice, entry.sessions)
+    self.seal_locked(after)
 """,
         kind="race",
         description="a purge reports, counts and tells the status it read before taking the "
@@ -184,15 +277,34 @@ PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer 
     Mutant(
         id="contract-batched-refusal-logged-under-the-lock",
         file="staging/compat.py",
-        original="""\
-                    to_log.append(item if rooms_view else item[0])
-        _log_refusals(to_log, self._tombstone_capacity)
-        return added
-""",
+        site="write-many",
+        statements=2,
         replacement="""\
-                    to_log.append(item if rooms_view else item[0])
-            _log_refusals(to_log, self._tombstone_capacity)  # MUTANT: logged under the lock
-        return added
+with self._lock.write():
+    if self._strict:
+        self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
+    for item in discards:
+        discard(item)
+    if keep is not None:
+        for item in list(self._items_locked(rooms_view)):
+            if item not in keep:
+                discard(item)
+    for item in adds:
+        done = add(item)
+        if done is True:
+            added += 1
+        elif done is _Refusal.LOG:
+            to_log.append(item if rooms_view else item[0])
+    for item in toggles:
+        if has(item):
+            discard(item)
+            continue
+        done = add(item)
+        if done is True:
+            added += 1
+        elif done is _Refusal.LOG:
+            to_log.append(item if rooms_view else item[0])
+    _log_refusals(to_log, self._tombstone_capacity)  # MUTANT: logged under the lock
 """,
         kind="sequential",
         description="a batched write (update, |=, ^=) logs its tombstone refusals while it "
@@ -211,24 +323,33 @@ PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer 
     Mutant(
         id="contract-intersection-discards-from-a-snapshot",
         file="staging/compat.py",
-        original="""\
-        with self._lock.write():
-            if self._strict:
-                self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
-            for item in discards:
-                discard(item)
-            if keep is not None:
-                for item in list(self._items_locked(rooms_view)):
-""",
+        site="write-many",
         replacement="""\
-        before = [] if keep is None else list(self._items_locked(rooms_view))  # MUTANT
-        with self._lock.write():
-            if self._strict:
-                self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
-            for item in discards:
+before = [] if keep is None else list(self._items_locked(rooms_view))  # MUTANT
+with self._lock.write():
+    if self._strict:
+        self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
+    for item in discards:
+        discard(item)
+    if keep is not None:
+        for item in before:  # what to discard was decided before the lock
+            if item not in keep:
                 discard(item)
-            if keep is not None:
-                for item in before:  # what to discard was decided before the lock
+    for item in adds:
+        done = add(item)
+        if done is True:
+            added += 1
+        elif done is _Refusal.LOG:
+            to_log.append(item if rooms_view else item[0])
+    for item in toggles:
+        if has(item):
+            discard(item)
+            continue
+        done = add(item)
+        if done is True:
+            added += 1
+        elif done is _Refusal.LOG:
+            to_log.append(item if rooms_view else item[0])
 """,
         kind="race",
         description="the compat core decides what &= / intersection_update discards from the "
@@ -240,14 +361,11 @@ PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer 
     Mutant(
         id="contract-intersection-discard-list-from-a-snapshot",
         file="staging/compat.py",
-        original="""\
-        if keep is not None:
-            self._core.write_many(self._ROOMS, keep=keep)
-""",
+        site="intersection-update-if",
         replacement="""\
-        if keep is not None:  # MUTANT: what to discard computed from a snapshot before the lock
-            gone = [x for x in self.snapshot() if x not in keep]
-            self._core.write_many(self._ROOMS, discards=gone)
+if keep is not None:  # MUTANT: what to discard computed from a snapshot before the lock
+    gone = [x for x in self.snapshot() if x not in keep]
+    self._core.write_many(self._ROOMS, discards=gone)
 """,
         kind="race",
         description="the outside study's version: intersection_update computes its discard "

@@ -2,8 +2,8 @@
 one-instant checks of ``tests/test_decode_compat.py`` must kill (single-preemption
 schedules, ``tests/interleave.py``).
 
-Each snippet must match the current source exactly once; when the code changes, update the
-snippet here (``make mutants`` stops with "stale mutant" until then).
+Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
+:mod:`tools.mutant_sites`. A missing or duplicated tag makes it stale.
 """
 
 from __future__ import annotations
@@ -17,20 +17,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="decode-purge-split",
         file=DECODE,
-        original="""\
-        with self._lock:
-            bootstrap = self._bootstrap.pop(k, None)
-            receiver = self._receivers.pop(k, None)
-        return bootstrap, receiver
-""",
+        site="purge-room",
+        statements=2,
         replacement="""\
-        with self._lock:
-            bootstrap = self._bootstrap.pop(k, None)
-        # MUTANT: the receiver is popped in a second critical section; a reader in between
-        # sees the room's receiver without its bootstrap infos
-        with self._lock:
-            receiver = self._receivers.pop(k, None)
-        return bootstrap, receiver
+with self._lock:
+    bootstrap = self._bootstrap.pop(k, None)
+# MUTANT: the receiver is popped in a second critical section; a reader in between
+# sees the room's receiver without its bootstrap infos
+with self._lock:
+    receiver = self._receivers.pop(k, None)
+return bootstrap, receiver
 """,
         kind="race",
         description="purge_room pops the two dicts under two acquisitions: a reader between "
@@ -40,16 +36,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="decode-entry-split",
         file=DECODE,
-        original="""\
-        with self._lock:
-            return self._bootstrap.get(k), self._receivers.get(k)
-""",
+        site="room-entry",
         replacement="""\
-        with self._lock:
-            bootstrap = self._bootstrap.get(k)
-        # MUTANT: the two reads in two critical sections; a purge between them is torn
-        with self._lock:
-            return bootstrap, self._receivers.get(k)
+with self._lock:
+    bootstrap = self._bootstrap.get(k)
+# MUTANT: the two reads in two critical sections; a purge between them is torn
+with self._lock:
+    return bootstrap, self._receivers.get(k)
 """,
         kind="race",
         description="room_entry reads the two dicts under two acquisitions: a purge between "

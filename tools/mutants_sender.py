@@ -3,8 +3,8 @@
 purge it relies on: the eight defects of the sender audit put back one at a time, plus the
 lifecycle bugs the audit's mutation run found our checks blind to.
 
-Each snippet must match the current source exactly once (``make mutants`` stops with "stale
-mutant" otherwise).
+Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
+:mod:`tools.mutant_sites`. A missing or duplicated tag makes it stale.
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="fail-session-keeps-staging-keys",
         file=ROOMS,
-        original="""\
-        self.staging.purge_session(session_id)
-""",
+        site="fail-session-locked",
         replacement="""\
-        pass  # MUTANT: the failed session's staging keys are left behind
+pass  # MUTANT: the failed session's staging keys are left behind
 """,
         kind="sequential",
         description="KVManager.fail_session does not call staging.purge_session: the dead "
@@ -46,12 +44,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="d1-post-without-recheck",
         file=ROOMS,
-        original="""\
-            if self.postable_locked(handle, entry, count=True):
-                for chunk in chunks:""",
+        site="register",
         replacement="""\
-            if True:  # MUTANT: liveness checked only before the slot wait
-                for chunk in chunks:""",
+if True:  # MUTANT: liveness checked only before the slot wait
+    for chunk in chunks:
+        entry.inflight[chunk.chunk_id] = chunk
+    return True
+""",
         kind="race",
         description="defect 1: a worker posts a chunk whose room was purged while it waited "
         "for a slot (no re-check at the fence): cross-room page corruption",
@@ -61,12 +60,66 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="d1-purge-without-gate",
         file=ROOMS,
-        original="""\
-        with entry.gate.write_untimed(), self.lock.write_untimed():
-            if self.rooms.get(room) is not entry:  # another purge won""",
+        site="purge-with",
         replacement="""\
-        with self.lock.write_untimed():  # MUTANT: purge does not wait for a post
-            if self.rooms.get(room) is not entry:  # another purge won""",
+with self.lock.write_untimed():  # MUTANT: purge does not wait for a post
+    if self.rooms.get(room) is not entry:  # another purge won
+        return ManagerPurge(room, False, None, (), None, 0, 0)
+    del self.rooms[room]
+    status = self.request_status.get(room)
+    exception = self.exceptions.get(room)
+    tables: list[str] = []
+    for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
+        if table.pop(room, None) is not None:
+            tables.append(name)
+    staged = self.staging.purge_room(entry.handle)
+    # Staging slots are not returned here: every slot of this opening is held by a
+    # thread (gathering into it, or under a posted chunk), and that thread returns it
+    # when it skips the chunk or when the chunk ends. Returning it now would let
+    # another room lease and overwrite a slot that a transfer still reads from.
+    with self.failure_lock.write():
+        record = self.failure_records.pop(room, None)
+        if record is not None:
+            tables.append("failure_records")
+    for chunk_id, chunk in entry.inflight.items():
+        self.draining[chunk_id] = chunk
+    draining = len(entry.inflight)
+    if draining:
+        self.draining_by_handle[entry.handle] = draining
+    entry.inflight.clear()
+    self.counts["purges"] += 1
+    if not is_concluded(status):
+        self.counts["rooms_cleared"] += 1
+        entry.concluded = True
+        after.logs.append(
+            (
+                logging.INFO,
+                "room %d generation %d cleared before it concluded (status %s, "
+                "%d chunks draining)",
+                (room, entry.handle.generation, getattr(status, "name", status),
+                 draining),
+            )
+        )
+        if self.events is not None:
+            after.concluded.append(
+                (room, entry.handle.generation, "cleared", "cleared",
+                 time.monotonic() - entry.opened_at)
+            )
+    # None for a room that succeeded, then failed (docs/PROTOCOL.md).
+    if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
+        failed = status is _FAILED
+        notice = RoomNotice(
+            room,
+            entry.handle.generation,
+            "failed" if failed else "cleared",
+            (entry.failure_code or code_for(record, exception)) if failed else "cleared",
+        )
+        if draining:
+            self.notifier.hold(entry.handle, notice, entry.sessions)
+        else:
+            self.notifier.enqueue(notice, entry.sessions)
+    self.seal_locked(after)
+""",
         kind="race",
         description="defect 1 (fence half): purge_room does not take the room's post gate, so "
         "a post that passed its check lands after clear() returned",
@@ -76,11 +129,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="d2-end-without-claim",
         file=PIPELINE,
-        original="""\
-            if not chunk.claim():
-                continue""",
+        site="end-many",
         replacement="""\
-            chunk.claim()  # MUTANT: whoever sees the end accounts for it""",
+chunk.claim()  # MUTANT: whoever sees the end accounts for it
+""",
         kind="race",
         description="defect 2: a chunk's end is not claimed once: two progress() calls count it "
         "twice and a room reports a false Success",
@@ -90,10 +142,18 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="d3-transport-release-skips-chunk",
         file=ROOMS,
-        original="""\
-                if drained or entry is None or abandoned:""",
+        site="account-ends-if-2",
         replacement="""\
-                if drained or entry is None or abandoned or released:  # MUTANT""",
+if drained or entry is None or abandoned or released:  # MUTANT
+    counts["chunks_drained"] += 1
+    if released:
+        counts["chunks_released_by_transport"] += 1
+    if events:
+        after.ended.append(
+            (chunk.session_id, "drained", now - chunk.made_at, nbytes(chunk))
+        )
+    continue
+""",
         kind="lifecycle",
         description="defect 3: a transfer released by the transport is taken for a purge: the "
         "chunk is skipped and its open room stays Transferring forever",
@@ -103,12 +163,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="d5-staging-purge-times-out",
         file="staging/context.py",
-        original="""\
-        room_id, generation = self._ref(room)
-        with self._lock.write_untimed():""",
+        site="purge-room",
         replacement="""\
-        room_id, generation = self._ref(room)
-        with self._lock.write():  # MUTANT: a purge may time out half-way""",
+with self._lock.write():  # MUTANT: a purge may time out half-way
+    state = self._close_locked(room_id, generation)
+""",
         kind="race",
         description="defect 5: StagingContext.purge_room honours lock_timeout: clear() raises "
         "LockTimeoutError and leaves the room half-purged under a long reader",
@@ -118,10 +177,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="d6-failure-exception-by-room-id",
         file="sender/nixl_sender.py",
-        original="""\
-        purge = self.kv_mgr.purge_room(self._handle)""",
+        site="failure-exception",
         replacement="""\
-        purge = self.kv_mgr.purge_room(self.bootstrap_room)  # MUTANT: whatever opening""",
+purge = self.kv_mgr.purge_room(self.bootstrap_room)  # MUTANT: whatever opening
+""",
         kind="race",
         description="defect 6: failure_exception() purges by bare room id: it can take (and "
         "raise) the exception of the room's next opening",
@@ -131,16 +190,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="d7-open-room-checks-closed-late",
         file=ROOMS,
-        original="""\
-        with self.lock.write_untimed():
-            self.closing = True
-            for entry in self.rooms.values():  # a plain loop: DPOR traces it precisely
-                handles.append(entry.handle)""",
+        site="close-begin",
         replacement="""\
-        with self.lock.write_untimed():
-            for entry in self.rooms.values():
-                handles.append(entry.handle)
-        self.closing = True  # MUTANT: set after the open rooms were listed""",
+with self.lock.write_untimed():
+    for entry in self.rooms.values():
+        handles.append(entry.handle)
+self.closing = True  # MUTANT: set after the open rooms were listed
+""",
         kind="race",
         description="defect 7: open_room checks a flag close() sets after snapshotting the "
         "open rooms: a room opened in between survives close()",
@@ -150,10 +206,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="d8-short-info-accepted",
         file=ROOMS,
-        original="""\
-            short = entry.num_kv_indices is not None and (""",
+        site="add-info",
         replacement="""\
-            short = False and (  # MUTANT: an info after init() is not checked""",
+short = False and (  # MUTANT: an info after init() is not checked
+    info.dst_pages.size < entry.num_kv_indices
+)
+""",
         kind="sequential",
         description="defect 8: a transfer info that arrives after init() with too few "
         "destination pages is accepted; the room later fails as an internal error or hangs",
@@ -163,19 +221,67 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="manager-purge-two-critical-sections",
         file=ROOMS,
-        original="""\
-        with entry.gate.write_untimed(), self.lock.write_untimed():
-            if self.rooms.get(room) is not entry:  # another purge won
-                return ManagerPurge(room, False, None, (), None, 0, 0)
-            del self.rooms[room]
-""",
+        site="purge-with",
         replacement="""\
-        with entry.gate.write_untimed():
-            with self.lock.write_untimed():
-                if self.rooms.get(room) is not entry:  # another purge won
-                    return ManagerPurge(room, False, None, (), None, 0, 0)
-                del self.rooms[room]
-        with entry.gate.write_untimed(), self.lock.write_untimed():  # MUTANT: 2nd one
+with entry.gate.write_untimed():
+    with self.lock.write_untimed():
+        if self.rooms.get(room) is not entry:  # another purge won
+            return ManagerPurge(room, False, None, (), None, 0, 0)
+        del self.rooms[room]
+with entry.gate.write_untimed(), self.lock.write_untimed():  # MUTANT: 2nd one
+    status = self.request_status.get(room)
+    exception = self.exceptions.get(room)
+    tables: list[str] = []
+    for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
+        if table.pop(room, None) is not None:
+            tables.append(name)
+    staged = self.staging.purge_room(entry.handle)
+    # Staging slots are not returned here: every slot of this opening is held by a
+    # thread (gathering into it, or under a posted chunk), and that thread returns it
+    # when it skips the chunk or when the chunk ends. Returning it now would let
+    # another room lease and overwrite a slot that a transfer still reads from.
+    with self.failure_lock.write():
+        record = self.failure_records.pop(room, None)
+        if record is not None:
+            tables.append("failure_records")
+    for chunk_id, chunk in entry.inflight.items():
+        self.draining[chunk_id] = chunk
+    draining = len(entry.inflight)
+    if draining:
+        self.draining_by_handle[entry.handle] = draining
+    entry.inflight.clear()
+    self.counts["purges"] += 1
+    if not is_concluded(status):
+        self.counts["rooms_cleared"] += 1
+        entry.concluded = True
+        after.logs.append(
+            (
+                logging.INFO,
+                "room %d generation %d cleared before it concluded (status %s, "
+                "%d chunks draining)",
+                (room, entry.handle.generation, getattr(status, "name", status),
+                 draining),
+            )
+        )
+        if self.events is not None:
+            after.concluded.append(
+                (room, entry.handle.generation, "cleared", "cleared",
+                 time.monotonic() - entry.opened_at)
+            )
+    # None for a room that succeeded, then failed (docs/PROTOCOL.md).
+    if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
+        failed = status is _FAILED
+        notice = RoomNotice(
+            room,
+            entry.handle.generation,
+            "failed" if failed else "cleared",
+            (entry.failure_code or code_for(record, exception)) if failed else "cleared",
+        )
+        if draining:
+            self.notifier.hold(entry.handle, notice, entry.sessions)
+        else:
+            self.notifier.enqueue(notice, entry.sessions)
+    self.seal_locked(after)
 """,
         kind="race",
         description="KVManager.purge_room in two critical sections: an observer sees the room "
@@ -186,13 +292,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="purge-returns-slots-early",
         file=ROOMS,
-        original="""\
-            staged = self.staging.purge_room(entry.handle)
-""",
+        site="purge-set-staged",
         replacement="""\
-            staged = self.staging.purge_room(entry.handle)
-            if self.pool is not None:  # MUTANT: slots back under pending transfers
-                self.pool.release_owner(entry.handle)
+staged = self.staging.purge_room(entry.handle)
+if self.pool is not None:  # MUTANT: slots back under pending transfers
+    self.pool.release_owner(entry.handle)
 """,
         kind="lifecycle",
         description="purge_room returns the room's staging slots while posted transfers still "
@@ -203,10 +307,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="drain-ignores-held-slots",
         file=ROOMS,
-        original="""\
-        return n + max(0, held - under_chunks)""",
+        site="lingering-locked",
         replacement="""\
-        return n  # MUTANT: slots a thread still holds for a purged opening are not counted""",
+return n  # MUTANT: slots a thread still holds for a purged opening are not counted
+""",
         kind="race",
         description="draining()/wait_drained() count only the posted chunks of a purged "
         "opening, not the staging slots a worker leased for it before the purge: they answer "
@@ -217,12 +321,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="hung-chunk-ends-before-settling",
         file=PIPELINE,
-        original="""\
-            if settled is None or settled():
-                return True, (chunk, chunk.hung, False, True)""",
+        site="poll-once-if-1",
         replacement="""\
-            if True:  # MUTANT: a hung chunk ends at its first sweep, settled or not
-                return True, (chunk, chunk.hung, False, True)""",
+if True:  # MUTANT: a hung chunk ends at its first sweep, settled or not
+    return True, (chunk, chunk.hung, False, True)
+""",
         kind="race",
         description="a hung chunk is ended (handle released, slot returned) at the first sweep "
         "although NIXL still has its write in progress: its late bytes may land in pages or a "
@@ -233,12 +336,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="abandon-ignores-the-claim",
         file=PIPELINE,
-        original="""\
-            if not chunk.claim():
-                continue""",
+        site="end-many",
         replacement="""\
-            if not chunk.claim() and not end[2]:  # MUTANT: close() abandons claimed chunks too
-                continue""",
+if not chunk.claim() and not end[2]:  # MUTANT: close() abandons claimed chunks too
+    continue
+""",
         kind="race",
         description="close()'s abandon path ends a chunk another thread already claimed (its "
         "poll saw the end first): the transfer is released twice and the chunk counted twice",
@@ -248,10 +350,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="notice-before-the-last-drain",
         file=ROOMS,
-        original="""\
-                elif drained and left == 0:""",
+        site="account-ends-if-1",
         replacement="""\
-                elif drained:  # MUTANT: the notice goes when the first draining chunk ends""",
+if abandoned:
+    # Its writes were given up, not drained: they may still land, so the
+    # decode side must not be told it may reuse the room's pages.
+    self.notifier.withhold(handle)
+elif drained:  # MUTANT: the notice goes when the first draining chunk ends
+    self.notifier.drained(handle)  # its opening's last posted chunk ended
+""",
         kind="race",
         description="a purged opening's room notice is queued when its first draining chunk "
         "ends, not its last: the decode side is told its pages are free while a write of the "
@@ -262,20 +369,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="batched-send-registers-outside-the-gate",
         file=PIPELINE,
-        original="""\
-        ends: list[_End] = []
-        with entry.gate.write_untimed():
-            chunks = rooms.begin_chunk(
-                handle, chunk_idx, start, kv_indices, src_checked, is_last, entry_expected=entry
-            )
-            if chunks:""",
+        site="submit-with",
         replacement="""\
-        ends: list[_End] = []
-        chunks = rooms.begin_chunk(  # MUTANT: registered before the gate is taken
-            handle, chunk_idx, start, kv_indices, src_checked, is_last, entry_expected=entry
-        )
-        with entry.gate.write_untimed():
-            if chunks:""",
+chunks = rooms.begin_chunk(  # MUTANT: registered before the gate is taken
+    handle, chunk_idx, start, kv_indices, src_checked, is_last, entry_expected=entry
+)
+with entry.gate.write_untimed():
+    if chunks:
+        ends = self._post_all(chunks)
+""",
         kind="race",
         description="the batched inline send registers its chunks before taking the room's "
         "post gate: a purge between registration and post returns, then the writes are posted",
@@ -285,10 +387,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="small-page-list-repeats-missed",
         file="sender/pages.py",
-        original="""\
-        return min(values), max(values), unique and len(set(values)) != n""",
+        site="scan-pages-return",
         replacement="""\
-        return min(values), max(values), False  # MUTANT: short lists never repeat""",
+return min(values), max(values), False  # MUTANT: short lists never repeat
+""",
         kind="sequential",
         description="the Python path of the page scan (up to 32 pages) never reports a repeat: "
         "repeated destination pages of short lists pass make_transfer_info and CheckedPages",
@@ -297,11 +399,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="sweep-only-when-idle",
         file=PIPELINE,
-        original="""\
-            self.maybe_sweep()  # every iteration, busy or idle""",
+        site="worker-main-call-maybe-sweep",
         replacement="""\
-            if isinstance(unit, _Idle) and pause >= HUNG_SWEEP_S:  # MUTANT: idle only
-                self.maybe_sweep()""",
+if isinstance(unit, _Idle) and pause >= HUNG_SWEEP_S:  # MUTANT: idle only
+    self.maybe_sweep()
+""",
         kind="race",
         description="a worker sweeps hung chunks only when its queue stays empty for 50 ms "
         "(the audited shape): under steady traffic a settled hung chunk keeps its slot",
@@ -311,10 +413,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="checked-pages-skip-bounds",
         file="sender/transport.py",
-        original="""\
-            if src_checked.max_page >= li.num_pages or dst_checked.max_page >= remote.num_pages:""",
+        site="write-pages-if-1",
         replacement="""\
-            if False:  # MUTANT: checked page lists are trusted against any region""",
+if False:  # MUTANT: checked page lists are trusted against any region
+    # A slice may be within range although its parent's bound is not: look.
+    src = src_checked.indices.astype(np.int64)
+    dst = dst_checked.indices.astype(np.int64)
+    _check_pages(src, li.num_pages, "src_pages", src_region, unique=False)
+    _check_pages(dst, remote.num_pages, "dst_pages", dst_region, unique=False)
+""",
         kind="sequential",
         description="write_pages trusts CheckedPages without comparing their bound with the "
         "regions: a checked list built for a larger pool reaches NIXL",
@@ -323,10 +430,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="checked-slice-drops-bound",
         file="sender/pages.py",
-        original="""\
-        out._indices, out._max, out._unique = view, self._max, self._unique""",
+        site="getitem",
         replacement="""\
-        out._indices, out._max, out._unique = view, 0, self._unique  # MUTANT: bound lost""",
+out._indices, out._max, out._unique = view, 0, self._unique  # MUTANT: bound lost
+""",
         kind="sequential",
         description="a CheckedPages slice forgets its parent's bound: out-of-range pages of "
         "a slice pass the transport's O(1) check",
@@ -335,12 +442,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="e25-inline-slot-wait-only-sweeps",
         file=PIPELINE,
-        original="""\
-            self._end_slot_holders()
-            self._give_up_if_slots_all_hung(session)""",
+        site="on-wake-2",
         replacement="""\
-            self.maybe_sweep()  # MUTANT: nobody ends the slot holders
-            self._give_up_if_slots_all_hung(session)""",
+self.maybe_sweep()  # MUTANT: nobody ends the slot holders
+""",
         kind="sequential",
         description="issue 25 defect 1: an inline send waiting for a slot only sweeps hung "
         "chunks; its own completed writes hold the slots until slot_timeout_s fails the room",
@@ -349,12 +454,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="e25-skip-without-event",
         file=ROOMS,
-        original="""\
-        self.counts["chunks_skipped"] += len(chunks)
-        if self.events is not None and chunks:""",
+        site="skipped-locked",
         replacement="""\
-        self.counts["chunks_skipped"] += len(chunks)
-        if False:  # MUTANT: a skipped chunk is counted but never told""",
+if False:  # MUTANT: a skipped chunk is counted but never told
+    now = time.monotonic()
+    for chunk in chunks:
+        after.ended.append(
+            (chunk.session_id, "skipped", now - chunk.made_at, self.nbytes(chunk))
+        )
+""",
         kind="sequential",
         description="issue 25 defect 3: skipped chunks reach stats() but not the listener: "
         "the chunk histograms no longer add up to chunks_ended_total",
@@ -366,10 +474,33 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="e25-success-then-fail-by-code",
         file=ROOMS,
-        original="""\
-        if first and not entry.concluded:""",
+        site="fail-locked",
         replacement="""\
-        if first:  # MUTANT: a room failed after Success is counted by code again""",
+if first:  # MUTANT: a room failed after Success is counted by code again
+    # A room that concluded Success and is failed afterwards (abort() or
+    # record_failure() before clear()) is Failed from now on, but it is counted
+    # neither in rooms_failed nor by code: rooms_failed_by_code sums to rooms_failed.
+    code = code or code_for(reason, exc)
+    entry.failure_code = code
+    self.failed_by_code[code] = self.failed_by_code.get(code, 0) + 1
+    entry.concluded = True
+    self.counts["rooms_failed"] += 1
+    if after is not None:
+        if self.events is not None:
+            after.concluded.append(
+                (room, handle.generation, "failed", code,
+                 time.monotonic() - entry.opened_at)
+            )
+        if not quiet:
+            after.logs.append(
+                (
+                    logging.WARNING,
+                    "room %d generation %d failed (sessions %s): %s: %s",
+                    (room, handle.generation, ", ".join(entry.sessions), code,
+                     reason),
+                )
+            )
+""",
         kind="sequential",
         description="issue 25 defect 4: abort() after Success counts the room in "
         "rooms_failed (and by code): a room concludes twice",
@@ -378,12 +509,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="e25-close-joins-itself",
         file=PIPELINE,
-        original="""\
-            if worker is not me:
-                worker.join(""",
+        site="join-workers",
         replacement="""\
-            if True:  # MUTANT: close() from a worker joins the current thread
-                worker.join(""",
+if True:  # MUTANT: close() from a worker joins the current thread
+    worker.join(bounded_wait(max(0.5, deadline - time.monotonic())))
+""",
         kind="sequential",
         description="issue 25 defect 6: close() from a listener callback on a worker raises "
         "'cannot join current thread' half-way and leaves the notifier running",
@@ -392,11 +522,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="e25-close-does-not-wake",
         file=PIPELINE,
-        original="""\
-                return self._queue.get(timeout=bounded_wait(pause_s))""",
+        site="next-unit",
         replacement="""\
-                time.sleep(pause_s)  # MUTANT: a long pause is not ended by close()'s stop
-                return self._queue.get_nowait()""",
+time.sleep(pause_s)  # MUTANT: a long pause is not ended by close()'s stop
+return self._queue.get_nowait()
+""",
         kind="lifecycle",
         description="issue 25 suspicion: a worker's long pause between polls is a sleep, not a "
         "wait on its queue: "
@@ -406,14 +536,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="e25-unposted-failure-without-event",
         file=ROOMS,
-        original="""\
-        self.counts["chunks_failed"] += 1
-        if self.events is not None:
-            after.ended.append(""",
+        site="ended-locked",
         replacement="""\
-        self.counts["chunks_failed"] += 1
-        if False:  # MUTANT: a chunk failing before its post is never told
-            after.ended.append(""",
+if False:  # MUTANT: a chunk failing before its post is never told
+    after.ended.append(
+        (chunk.session_id, "failed", time.monotonic() - chunk.made_at,
+         self.nbytes(chunk))
+    )
+""",
         kind="sequential",
         description="issue 25 defect 3: a chunk that fails before its post (no staging slot) "
         "reaches stats() but not the listener",

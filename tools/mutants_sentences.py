@@ -5,8 +5,8 @@ the decode peer's below. Each is planted somewhere else than the line its check 
 expected to watch; the checks are in ``tests/test_sender_sentences.py`` and
 ``tests/test_peer_sentences.py`` (docs/THREADING.md, the guarantee table).
 
-Each snippet must match the current source exactly once (``make mutants`` stops with "stale
-mutant" otherwise).
+Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
+:mod:`tools.mutant_sites`. A missing or duplicated tag makes it stale.
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="slot-wait-ignores-hung-holders",
         file="sender/pipeline.py",
-        original="""\
-                parked_at = now
-            self._give_up_if_slots_all_hung(chunk.session_id)
-""",
+        site="run-pool-unit",
+        statements=2,
         replacement="""\
-                parked_at = now
-                self._give_up_if_slots_all_hung(chunk.session_id)  # MUTANT: first try only
+if parked_at is None:
+    parked_at = now
+    self._give_up_if_slots_all_hung(chunk.session_id)  # MUTANT: first try only
 """,
         kind="race",
         description="only the check before a slot wait gives up when hung chunks hold every "
@@ -42,13 +41,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="hung-chunks-snapshot-misses-slots",
         file="sender/rooms.py",
-        original="""\
-        with self.lock.read():
-            return list(self.hung.values())
-""",
+        site="hung-chunks",
         replacement="""\
-        with self.lock.read():
-            return [c for c in self.hung.values() if c.transfer is None]  # MUTANT
+return [c for c in self.hung.values() if c.transfer is None]  # MUTANT
 """,
         kind="sequential",
         description="the hung-chunk snapshot drops every posted chunk: the slot wait counts "
@@ -61,13 +56,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="notifier-put-after-the-lock",
         file=NOTIFIER,
-        original="""\
-            self._queued += len(sessions)
-            self._queue.put((notice, sessions))
-""",
+        site="enqueue",
         replacement="""\
-            self._queued += len(sessions)
-        self._queue.put((notice, sessions))  # MUTANT: queued after the lock is released
+with self._lock:
+    if self._stopped:  # close() stopped the thread: nobody would send it
+        self._withheld += 1
+        return
+    self._queued += len(sessions)
+self._queue.put((notice, sessions))  # MUTANT: queued after the lock is released
 """,
         kind="race",
         description="enqueue counts under the lock but queues after it: a stop() in between "
@@ -79,14 +75,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="notifier-counted-after-the-put",
         file=NOTIFIER,
-        original="""\
-            self._queued += len(sessions)
-            self._queue.put((notice, sessions))
-""",
+        site="enqueue",
         replacement="""\
-            self._queue.put((notice, sessions))
-        with self._lock:  # MUTANT: counted in a second critical section
-            self._queued += len(sessions)
+with self._lock:
+    if self._stopped:  # close() stopped the thread: nobody would send it
+        self._withheld += 1
+        return
+    self._queue.put((notice, sessions))
+with self._lock:  # MUTANT: counted in a second critical section
+    self._queued += len(sessions)
 """,
         kind="race",
         description="enqueue queues, then counts in a second critical section: the notifier "
@@ -97,11 +94,21 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="notices-pending-ignores-skipped-dead",
         file="sender/manager.py",
-        original="""\
-            notices_pending=notices.pending,
-""",
+        site="stats-return",
         replacement="""\
-            notices_pending=notices.queued - notices.sent - notices.failed,  # MUTANT
+return ManagerStats(
+    open_rooms=open_rooms,
+    transfers_inflight=inflight,
+    transfers_draining=draining,
+    rooms_failed_by_code=by_code,
+    notices_sent=notices.sent,
+    notices_failed=notices.failed,
+    notices_withheld=notices.withheld,
+    notices_queued=notices.queued,
+    notices_pending=notices.queued - notices.sent - notices.failed,  # MUTANT
+    notices_skipped_dead=notices.skipped_dead,
+    **counts,
+)
 """,
         kind="sequential",
         description="stats().notices_pending leaves out the notices skipped to dead peers: a "
@@ -112,11 +119,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="close-joins-the-notifier-unbounded",
         file="sender/manager.py",
-        original="""\
-        self.notifier.stop(max(_CLAIMED_END_GRACE_S, deadline - time.monotonic()))
-""",
+        site="close-call-stop",
         replacement="""\
-        self.notifier.stop(float("inf"))  # MUTANT: the notices of a close must all go out
+self.notifier.stop(float("inf"))  # MUTANT: the notices of a close must all go out
 """,
         kind="lifecycle",
         description="close() waits for the notifier as long as it takes: a notice send "
@@ -127,12 +132,20 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="pool-release-by-slot-index",
         file="staging/buffers.py",
-        original="""\
-            freed = self._release_unlocked(slot.index, slot.lease)
-""",
+        site="release",
         replacement="""\
-            live = self._leases.get(slot.index)  # MUTANT: whatever lease the index has now
-            freed = self._release_unlocked(slot.index, slot.lease if live is None else live.lease)
+if retired is not None and retired.lease == slot.lease:
+    del self._retired[slot.index]
+    if self._short:  # it stands in for the capacity it took
+        self._short -= 1
+        self._free.append(slot.index)
+    else:
+        self._spare.append(slot.index)
+    self._released += 1
+    freed = 1
+else:
+    live = self._leases.get(slot.index)  # MUTANT: whatever lease the index has now
+freed = self._release_unlocked(slot.index, slot.lease if live is None else live.lease)
 """,
         kind="race",
         description="release() frees the slot's index whoever leases it now: a stale or "
@@ -143,14 +156,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="failure-record-pop-by-room-id",
         file="sender/manager.py",
-        original="""\
-            with self.failure_lock.write():
-                return self.rooms.failure_records.pop(handle.room, None)
-""",
+        site="pop-failure-record",
         replacement="""\
-        # MUTANT: the ownership check and the pop in two critical sections (by room id)
-        with self.failure_lock.write():
-            return self.rooms.failure_records.pop(handle.room, None)
+with self._room_lock.write():
+    if self.rooms.live_locked(handle) is None:
+        return None
+# MUTANT: the ownership check and the pop in two critical sections (by room id)
+with self.failure_lock.write():
+    return self.rooms.failure_records.pop(handle.room, None)
 """,
         kind="race",
         description="pop_failure_record checks the opening under the room lock, then pops by "
@@ -161,12 +174,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="progress-polls-only-its-own-draining",
         file="sender/rooms.py",
-        original="""\
-            pending.extend(self.draining.values())
-""",
+        site="pending-of",
         replacement="""\
-            # MUTANT: "each scheduler polls its own room's chunks"
-            pending.extend(c for c in self.draining.values() if c.handle == handle)
+# MUTANT: "each scheduler polls its own room's chunks"
+pending.extend(c for c in self.draining.values() if c.handle == handle)
 """,
         kind="sequential",
         description="inline progress(handle) polls only the draining chunks of its own "
@@ -177,11 +188,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="fanout-error-names-the-listener",
         file="sender/events.py",
-        original="""\
-            self._last_error = text
-""",
+        site="failed",
         replacement="""\
-            self._last_error = f"{listener}: {text}"  # MUTANT: name the listener
+self._last_error = f"{listener}: {text}"  # MUTANT: name the listener
 """,
         kind="sequential",
         description="FanOut's error report formats the listener with str(): a listener whose "
@@ -192,13 +201,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="peer-notice-dedup-by-room",
         file="stress/harness/peer.py",
-        original="""\
-        key = (notice.room, notice.gen)
-        if key in self._failed:
-""",
+        site="learn-locked",
         replacement="""\
-        key = (notice.room, notice.gen)
-        if any(room == notice.room for room, _ in self._failed):  # MUTANT: by room id
+if any(room == notice.room for room, _ in self._failed):  # MUTANT: by room id
+    self._counts["duplicates"] += 1
+    return
 """,
         kind="sequential",
         description="the decode peer drops a notice whose room id it already knows: the "
@@ -209,16 +216,21 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="peer-assign-reads-failed-before-the-lock",
         file="stress/harness/peer.py",
-        original="""\
-        idx = tuple(int(p) for p in self._indices(pages))
-        with self._cond:
-            if key in self._failed:
-""",
+        site="assign-pages",
         replacement="""\
-        idx = tuple(int(p) for p in self._indices(pages))
-        told = self.room_failed(room, gen) is not None  # MUTANT: asked before the lock
-        with self._cond:
-            if told:
+told = self.room_failed(room, gen) is not None  # MUTANT: asked before the lock
+with self._cond:
+    if told:
+        self._free.update(idx)
+        self._counts["pages_freed"] += len(idx)
+        return False
+    self._assigned.pop(key, None)
+    self._assigned[key] = idx
+    self._free.difference_update(idx)
+    while len(self._assigned) > self._max_failed:
+        del self._assigned[next(iter(self._assigned))]
+        self._counts["assignments_dropped"] += 1
+    return True
 """,
         kind="race",
         description="assign_pages asks whether the opening failed before taking the peer's "
@@ -230,15 +242,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="remove-peer-releases-unsettled-writes",
         file="sender/transport.py",
-        original="""\
-            if not self._in_progress_at_nixl_locked():
-                return False
-            self._kept = True
-""",
+        site="keep-if-unsettled",
         replacement="""\
-            if True:  # MUTANT: released all the same, also while NIXL still has it
-                return False
-            self._kept = True
+if True:  # MUTANT: released all the same, also while NIXL still has it
+    return False
 """,
         kind="sequential",
         description="remove_peer releases a write NIXL still has in progress: its chunk ends "
@@ -250,13 +257,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="kept-write-settles-without-asking-nixl",
         file="sender/transport.py",
-        original="""\
-            if not (self._timed_out or self._kept):
-                return True
-""",
+        site="settled",
         replacement="""\
-            if not self._timed_out:  # MUTANT: a kept write counts as settled at once
-                return True
+if not self._timed_out:  # MUTANT: a kept write counts as settled at once
+    return True
 """,
         kind="sequential",
         description="settled() answers True for a write remove_peer kept without asking "
@@ -268,11 +272,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="kept-write-ends-its-chunk-at-once",
         file="sender/pipeline.py",
-        original="""\
-            if isinstance(exc, FAILED_BY_US):
-""",
+        site="poll-once-if-2",
         replacement="""\
-            if isinstance(exc, TransferTimeoutError):  # MUTANT: a kept write's failure ends it
+if isinstance(exc, TransferTimeoutError):  # MUTANT: a kept write's failure ends it
+    settled = getattr(transfer, "settled", None)
+    if settled is not None and not settled():
+        self._hang(chunk, exc)  # NIXL still has it: it may yet write
+        self._retire_if_peer_removed(chunk)
+        return True, None
 """,
         kind="sequential",
         description="the manager ends a chunk whose write remove_peer kept as soon as a poll "
@@ -284,15 +291,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="worker-waits-on-its-chunks",
         file="sender/pipeline.py",
-        original="""\
-                    if pending:
-                        self._track(pending)
-                if self._tracked:
-""",
+        site="worker-main-if",
         replacement="""\
-                    while pending:  # MUTANT: a worker polls its own chunks until they end
-                        pending = self.poll_all(pending)
-                if self._tracked:
+while pending:  # MUTANT: a worker polls its own chunks until they end
+    pending = self.poll_all(pending)
 """,
         kind="sequential",
         description="a worker polls the chunks it posted until they end before it takes the "
@@ -304,15 +306,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="session-slots-uncapped",
         file="sender/pipeline.py",
-        original="""\
-        chunk.slot = pool.try_acquire(
-            chunk.handle, group=chunk.session_id, group_cap=self.session_slots
-        )
-""",
+        site="lease-or-park",
         replacement="""\
-        chunk.slot = pool.try_acquire(
-            chunk.handle, group=chunk.session_id, group_cap=None  # MUTANT: no cap
-        )
+chunk.slot = pool.try_acquire(
+    chunk.handle, group=chunk.session_id, group_cap=None  # MUTANT: no cap
+)
 """,
         kind="sequential",
         description="a worker leases slots without its session's cap: a hung peer's chunks "
@@ -322,11 +320,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="removed-peer-keeps-its-slots",
         file="sender/pipeline.py",
-        original="""\
-            self.pool.retire(slot)
-""",
+        site="retire-if-peer-removed",
         replacement="""\
-            pass  # MUTANT: a removed peer's kept write keeps its slot counted
+pass  # MUTANT: a removed peer's kept write keeps its slot counted
 """,
         kind="sequential",
         description="a removed peer's kept write keeps its slot leased and counted: "
@@ -336,11 +332,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="close-releases-unsettled-writes",
         file="sender/pipeline.py",
-        original="""\
-        unknowable = [c for c in left if getattr(c.transfer, "settled", None) is None]
-""",
+        site="abandon-draining",
         replacement="""\
-        unknowable = left  # MUTANT: close() releases writes NIXL may still move
+unknowable = left  # MUTANT: close() releases writes NIXL may still move
 """,
         kind="sequential",
         description="close() releases the writes NIXL still has in progress past its timeout: "
@@ -350,11 +344,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="deregister-region-releases-unsettled-writes",
         file="sender/transport.py",
-        original="""\
-                if not t._keep_if_unsettled(RegionRetiredError(name)):
-""",
+        site="deregister-region",
         replacement="""\
-                if True:  # MUTANT: deregister_region releases writes NIXL may still move
+if True:  # MUTANT: deregister_region releases writes NIXL may still move
+    t.release()
 """,
         kind="sequential",
         description="deregister_region releases the writes from the region that NIXL still has "

@@ -1,7 +1,7 @@
 """Mutants of the staging layer (``staging/context.py``, ``staging/locks.py``).
 
-Each snippet must match the current source exactly once; when the code changes, update the
-snippet here (``make mutants`` stops with "stale mutant" until then).
+Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
+:mod:`tools.mutant_sites`. A missing or duplicated tag makes it stale.
 """
 
 from __future__ import annotations
@@ -22,29 +22,19 @@ STAGING_STRESS = ("staging-race",)
 
 CONTEXT = "staging/context.py"
 
-_IS_REQUESTED = """\
-        state = self._rooms.get(room_id)
-        return (
-            state is not None
-            and (generation is None or state.generation == generation)
-            and (chunk_idx, session_id) in state.requests
-        )
-"""
-
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="is-requested-first-read-cache",
         file=CONTEXT,
-        original=_IS_REQUESTED,
+        site="is-requested-return",
         replacement="""\
-        state = self._rooms.get(room_id)
-        if state is None or (generation is not None and state.generation != generation):
-            return False
-        cache = self.__dict__.setdefault("_mutant_cache", {})
-        keys = cache.get((room_id, state.generation))
-        if keys is None:  # MUTANT: an opening's keys cached at its first read, never refreshed
-            keys = cache[(room_id, state.generation)] = frozenset(state.requests)
-        return (chunk_idx, session_id) in keys
+if state is None or (generation is not None and state.generation != generation):
+    return False
+cache = self.__dict__.setdefault("_mutant_cache", {})
+keys = cache.get((room_id, state.generation))
+if keys is None:  # MUTANT: an opening's keys cached at its first read, never refreshed
+    keys = cache[(room_id, state.generation)] = frozenset(state.requests)
+return (chunk_idx, session_id) in keys
 """,
         kind="sequential",
         description="is_requested answers from a cache filled at the first read of an opening "
@@ -55,21 +45,22 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="is-requested-stale-cache-race",
         file=CONTEXT,
-        original=_IS_REQUESTED,
+        site="is-requested-set-state",
+        statements=2,
         replacement="""\
-        cache = self.__dict__.get("_mutant_cache")
-        if cache is None or cache[0] != self._lock.stats().write_acquisitions:
-            keys = self.prefetch_requested  # under the read lock ...
-            # MUTANT: ... but the stamp is read after it: a writer in between leaves old keys
-            # under its new stamp, stale until the next write
-            cache = (self._lock.stats().write_acquisitions, keys)
-            self.__dict__["_mutant_cache"] = cache
-        state = self._rooms.get(room_id)
-        return (
-            state is not None
-            and (generation is None or state.generation == generation)
-            and (room_id, chunk_idx, session_id) in cache[1]
-        )
+cache = self.__dict__.get("_mutant_cache")
+if cache is None or cache[0] != self._lock.stats().write_acquisitions:
+    keys = self.prefetch_requested  # under the read lock ...
+    # MUTANT: ... but the stamp is read after it: a writer in between leaves old keys
+    # under its new stamp, stale until the next write
+    cache = (self._lock.stats().write_acquisitions, keys)
+    self.__dict__["_mutant_cache"] = cache
+state = self._rooms.get(room_id)
+return (
+    state is not None
+    and (generation is None or state.generation == generation)
+    and (room_id, chunk_idx, session_id) in cache[1]
+)
 """,
         kind="race",
         description="is_requested answers from a snapshot cache whose write-count stamp is "
@@ -80,19 +71,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="purge-room-two-critical-sections",
         file=CONTEXT,
-        original="""\
-        with self._lock.write_untimed():
-            state = self._close_locked(room_id, generation)
-""",
+        site="purge-room",
         replacement="""\
-        with self._lock.write_untimed():  # MUTANT: the room is closed in one critical section
-            state = self._rooms.get(room_id)
-            if state is None or (generation is not None and state.generation != generation):
-                return RoomPurge(room_id, False, False, frozenset())
-            del self._rooms[room_id]
-        with self._lock.write_untimed():  # ... and its keys and counters go in a second one
-            self._rooms[room_id] = state
-            self._close_locked(room_id, None)
+with self._lock.write_untimed():  # MUTANT: the room is closed in one critical section
+    state = self._rooms.get(room_id)
+    if state is None or (generation is not None and state.generation != generation):
+        return RoomPurge(room_id, False, False, frozenset())
+    del self._rooms[room_id]
+with self._lock.write_untimed():  # ... and its keys and counters go in a second one
+    self._rooms[room_id] = state
+    self._close_locked(room_id, None)
 """,
         kind="race",
         description="purge_room closes the room, releases the lock, then drops its keys and "
@@ -103,25 +91,21 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="request-prefetch-check-then-act",
         file=CONTEXT,
-        original="""\
-            requests = state.requests
-            if key in requests:
-                return False
-            requests.add(key)
-""",
+        site="request-prefetch-set-requests",
+        statements=3,
         replacement="""\
-            requests = state.requests
-            if key in requests:
-                return False
-            if mutex is None:  # MUTANT: the lock is let go between the test and the add
-                lock.release_write()
-                lock.acquire_write()
-            else:
-                lock._owner = None
-                mutex.release()
-                mutex.acquire()
-                lock._owner = _get_ident()
-            requests.add(key)
+requests = state.requests
+if key in requests:
+    return False
+if mutex is None:  # MUTANT: the lock is let go between the test and the add
+    lock.release_write()
+    lock.acquire_write()
+else:
+    lock._owner = None
+    mutex.release()
+    mutex.acquire()
+    lock._owner = _get_ident()
+requests.add(key)
 """,
         kind="race",
         description="request_prefetch lets the lock go between testing the key and adding it: "
@@ -132,11 +116,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="purge-session-keeps-room-keys",
         file=CONTEXT,
-        original="""\
-                state.requests.difference_update(doomed)
-""",
+        site="purge-session-call-difference-update",
         replacement="""\
-                pass  # MUTANT: the session's keys stay in the room (index and counter go)
+pass  # MUTANT: the session's keys stay in the room (index and counter go)
 """,
         kind="sequential",
         description="purge_session drops the session index and the counter but leaves the "
@@ -147,17 +129,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="live-ignores-handle-generation",
         file=CONTEXT,
-        original="""\
-            if state is None or (generation is not None and state.generation != generation):
-                self._refuse(room_id, generation)
-                return False
-            requests = state.requests
-""",
+        site="request-prefetch-if",
         replacement="""\
-            if state is None:  # MUTANT: a stale handle is not refused
-                self._refuse(room_id, generation)
-                return False
-            requests = state.requests
+if state is None:  # MUTANT: a stale handle is not refused
+    self._refuse(room_id, generation)
+    return False
 """,
         kind="lifecycle",
         description="request_prefetch drops the generation check of the open room: a stale "
@@ -168,21 +144,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="mark-prefetched-closed-room-accepted",
         file=CONTEXT,
-        original="""\
-            if state is None or (generation is not None and state.generation != generation):
-                self._refuse(room_id, generation)
-                return False
-            if state.prefetched:
-                return False
-            state.prefetched = True
-""",
+        site="mark-prefetched-return",
         replacement="""\
-            if state is None or (generation is not None and state.generation != generation):
-                self._refuse(room_id, generation)
-                return True  # MUTANT: a mark on a closed room (or stale handle) reports success
-            if state.prefetched:
-                return False
-            state.prefetched = True
+return True  # MUTANT: a mark on a closed room (or stale handle) reports success
 """,
         kind="lifecycle",
         description="mark_prefetched on a closed room or through a stale handle returns True "
@@ -193,11 +157,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="rw-write-lock-shared",
         file="staging/locks.py",
-        original="""\
-        return _Guard(self, self._rw.gen_wlock(), "write")
-""",
+        site="write",
         replacement="""\
-        return _Guard(self, self._rw.gen_rlock(), "write")  # MUTANT: writers share the lock
+return _Guard(self, self._rw.gen_rlock(), "write")  # MUTANT: writers share the lock
 """,
         kind="race",
         description="RWLock.write() takes the shared (read) side: writers and readers of an "
@@ -208,15 +170,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="fast-mutex-guard-skips-wait",
         file="staging/locks.py",
-        original="""\
-        if not self._inner.acquire(False):
-            self._lock._acquire_contended(self._inner, self._mode, untimed=self._untimed)
-            return
-        lock = self._lock""",
+        site="enter",
+        statements=2,
         replacement="""\
-        if not self._inner.acquire(False):
-            return  # MUTANT: a contended acquisition goes on without the lock
-        lock = self._lock""",
+return  # MUTANT: a contended acquisition goes on without the lock
+""",
         kind="race",
         description="the inline (non-debug) mutex guard enters without waiting when the lock "
         "is taken: mutual exclusion is lost only under contention",
@@ -226,13 +184,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="fast-guard-owner-cleared-after-release",
         file="staging/locks.py",
-        original="""\
-        self._lock._owner = None
-        self._inner.release()
-""",
+        site="exit",
+        statements=2,
         replacement="""\
-        self._inner.release()  # MUTANT: the lock is let go before the owner is cleared ...
-        self._lock._owner = None  # ... which can erase the next holder's own entry
+self._inner.release()  # MUTANT: the lock is let go before the owner is cleared ...
+self._lock._owner = None  # ... which can erase the next holder's own entry
 """,
         kind="race",
         description="the inline mutex guard releases before clearing the owner: under "
@@ -243,15 +199,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="inline-request-owner-cleared-after-release",
         file=CONTEXT,
-        original="""\
-            if mutex is not None:
-                lock._owner = None
-                mutex.release()
-""",
+        site="request-prefetch-set-owner",
+        statements=2,
         replacement="""\
-            if mutex is not None:
-                mutex.release()  # MUTANT: request_prefetch's inline release, owner cleared late
-                lock._owner = None
+mutex.release()  # MUTANT: request_prefetch's inline release, owner cleared late
+lock._owner = None
 """,
         kind="race",
         description="request_prefetch's inline mutex release clears the owner after letting "
@@ -262,16 +214,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="contended-waiter-claims-owner",
         file="staging/locks.py",
-        original="""\
-        with self._stats_lock:
-            self._contended += 1
-        timeout = -1.0 if untimed else self._timeout_arg
-""",
+        site="acquire-contended",
+        statements=2,
         replacement="""\
-        with self._stats_lock:
-            self._contended += 1
-        self._owner = _get_ident()  # MUTANT: a waiter names itself owner before it holds it
-        timeout = -1.0 if untimed else self._timeout_arg
+with self._stats_lock:
+    self._contended += 1
+self._owner = _get_ident()  # MUTANT: a waiter names itself owner before it holds it
+timeout = -1.0 if untimed else self._timeout_arg
 """,
         kind="race",
         description="a contended acquisition writes the owner before it has the lock: the "
@@ -282,20 +231,27 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="purge-session-room-by-room",
         file=CONTEXT,
-        original="""\
-            if not by_room:
-                return frozenset()
-            for room_id in by_room:
-                state = self._rooms[room_id]
-""",
+        site="purge-session-with",
         replacement="""\
-            if not by_room:
-                return frozenset()
-        for room_id in by_room:  # MUTANT: each room's keys go in a critical section of its own
-            with self._lock.write_untimed():
-                state = self._rooms.get(room_id)
-                if state is None:
-                    continue
+with self._lock.write_untimed():
+    by_room = self._session_rooms.pop(session_id, None)
+    if not by_room:
+        return frozenset()
+for room_id in by_room:  # MUTANT: each room's keys go in a critical section of its own
+    with self._lock.write_untimed():
+        state = self._rooms.get(room_id)
+        if state is None:
+            continue
+        state.sessions.discard(session_id)
+        doomed = [key for key in state.requests if key[1] == session_id]
+        if doomed:
+            state.requests.difference_update(doomed)
+            self._requested_keys -= len(doomed)
+            touched.append(room_id)
+            if not state.requests:
+                self._unindex(state, room_id)
+    if touched:
+        self._session_purges += 1
 """,
         kind="race",
         description="purge_session drops the session's keys room by room, one acquisition "
@@ -306,15 +262,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="prefetch-requested-room-by-room",
         file=CONTEXT,
-        original="""\
-        with self._lock.read():
-            return self._requested_unlocked()
-""",
+        site="prefetch-requested",
         replacement="""\
-        keys: list[PrefetchKey] = []  # MUTANT: one locked read per room, not one for all
-        for room in self.open_rooms:
-            keys.extend((room, chunk, session) for chunk, session in self.room_requests(room))
-        return frozenset(keys)
+keys: list[PrefetchKey] = []  # MUTANT: one locked read per room, not one for all
+for room in self.open_rooms:
+    keys.extend((room, chunk, session) for chunk, session in self.room_requests(room))
+return frozenset(keys)
 """,
         kind="race",
         description="the prefetch_requested snapshot reads the rooms one acquisition at a "

@@ -1,8 +1,8 @@
 """Mutants of the transport's concurrency (``sender/transport.py``): each breaks a sentence
 of its contract in ``docs/THREADING.md`` somewhere other than where its check is written.
 
-Each snippet must match the current source exactly once (``make mutants`` stops with "stale
-mutant" otherwise).
+Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
+:mod:`tools.mutant_sites`. A missing or duplicated tag makes it stale.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="transport-write-skips-recheck",
         file=TRANSPORT,
-        original="""\
-                if self._peers.get(session_id) is not peer:
-                    raise PeerNotFoundError(session_id)
-                if self._regions.get(src_region) is not local:""",
+        site="write-pages-if-2",
+        statements=2,
         replacement="""\
-                if self._regions.get(src_region) is not local:  # MUTANT: peer not re-checked""",
+if self._regions.get(src_region) is not local:  # MUTANT: peer not re-checked
+    raise TransportParamError(f"local region {src_region!r} was deregistered")
+""",
         kind="race",
         description="write_pages trusts its lock-free peer look-up: a write that looked the "
         "peer up before remove_peer() posts to it after remove_peer() returned",
@@ -31,13 +31,22 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         id="transport-close-lists-live-late",
         file=TRANSPORT,
-        original="""\
-                self._closed = True
-                transfers = list(self._live)""",
+        site="close",
         replacement="""\
-                transfers = list(self._live)
-            with self._lock:  # MUTANT: closed only after the live transfers were listed
-                self._closed = True""",
+with self._lock:
+    if self._closed:
+        return
+    transfers = list(self._live)
+with self._lock:  # MUTANT: closed only after the live transfers were listed
+    self._closed = True
+    remote_agents = list(self._remote_refs)
+    regions = [*self._regions.values(), *self._retiring]
+    peers = [*self._peers.values(), *self._retired_peers]
+    prepped = [h for p in peers for h in p.prepped.values()]
+    prepped += [r.prepped for r in regions]
+    agent = self._agent
+    last_notif = self._last_notif_at
+""",
         kind="race",
         description="close() lists the live transfers before it refuses new writes (two "
         "critical sections): a write registered in between is never released by close()",

@@ -632,6 +632,7 @@ class SchedulerDriver:
         release_at: float | None,
         src: np.ndarray | None = None,
     ) -> None:
+        # mutant-site: hold
         pool.held.append(_Held(handle, pages, release_at, src))
 
     def _unused(self, pool: _DstPool, dst: np.ndarray, src: np.ndarray) -> None:

@@ -446,6 +446,7 @@ class DecodePeer:
             logger.warning("room notice from %s refused: %r", agent, message[:64])
             return
         key = (notice.room, notice.gen)
+        # mutant-site: learn-locked
         if key in self._failed:
             self._counts["duplicates"] += 1
             return
@@ -576,6 +577,7 @@ class DecodePeer:
         """
         key = _opening(room, gen)
         idx = tuple(int(p) for p in self._indices(pages))
+        # mutant-site: assign-pages
         with self._cond:
             if key in self._failed:
                 self._free.update(idx)

@@ -268,6 +268,7 @@ class PageAudit:
         verified = history[last]
         if reset_at is not None and reset_at >= verified.started_at:
             return None
+        # mutant-site: judge
         allowed = {u.digest for u in history[last:]}
         key = (sid, page, actual, verified.room)
         if actual in allowed:
