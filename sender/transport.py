@@ -25,7 +25,7 @@ the binding's progress thread alone at ``pthrDelay`` 1000 us is ~1.5-2 %, at 200
 the same. A 64 KiB ``write_pages`` + ``wait`` + ``release`` takes ~18-22 us median against
 ~14 us for NIXL's own prepared-list calls (``python -m bench throughput``): writes to DRAM
 over UCX/CMA mostly complete inside the post, and our own ``poll()`` drives progress too.
-``tests/test_transport.py`` asserts < 5 % idle CPU.
+``tests/sender/test_transport.py`` asserts < 5 % idle CPU.
 
 Alternative considered: ``enable_prog_thread=False`` and driving progress ourselves. Then
 every *receiving* agent needs a thread calling ``get_new_notifs()`` every ~1 ms or incoming
@@ -1121,7 +1121,7 @@ class NixlTransport:
         :class:`TransferTimeoutError`) still sends its notification when it is released, or
         its peer removed, after the data landed. A per-transfer notification means "these
         bytes landed", never "the room succeeded" (docs/PROTOCOL.md;
-        tests/test_receiver_lifetime.py pins both behaviours).
+        tests/sender/test_receiver_lifetime.py pins both behaviours).
 
         Thread-safety: safe from any thread, concurrently with everything else; a concurrent
         ``remove_peer``/``close`` either sees and releases this transfer or makes this call

@@ -18,7 +18,7 @@ id (``tools/mutants_sender.py``, ``tools/mutants_staging.py``):
 * **Listeners.** ``FanOut`` survives a listener whose exception and whose own object have a
   raising ``__repr__``/``__str__`` (sequential, also through a manager).
 
-The transport is the in-memory stand-in of ``tests/test_dpor_sender.py`` (every step is
+The transport is the in-memory stand-in of ``tests/sender/test_dpor_clear.py`` (every step is
 Python the explorer can stop); the same paths run over real NIXL in the other suites.
 """
 
@@ -41,7 +41,7 @@ from sender.notifier import Notifier
 from staging import StagingContext
 from staging.buffers import StagingBufferPool
 from tests.interleave import explore
-from tests.test_dpor_sender import PAGE_BYTES, InstantTransport
+from tests.sender.test_dpor_clear import PAGE_BYTES, InstantTransport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +49,7 @@ JOIN_S = 30.0
 """A bound for a thread doing a handful of O(1) steps: past it, it is stuck (a deadlock or
 an unbounded wait), on any machine."""
 BLOCK_S = 0.05
-"""See tests/test_compat_sentences.py: only how long the second thread may wait for a lock
+"""See tests/staging/test_compat_views.py: only how long the second thread may wait for a lock
 the stopped first one holds."""
 
 NOTICE = RoomNotice(5, 1, "failed", "aborted")

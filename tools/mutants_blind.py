@@ -17,14 +17,17 @@ from tools.mutants_spec import Mutant
 
 AREA_CHECKS: dict[str, tuple[str, ...]] = {
     "sender/": (
-        "tests/test_sender_properties.py",
+        "tests/sender/test_properties.py",
         "tests/test_load_defects.py",
-        "tests/test_dpor_sender_fence.py",
-        "tests/test_dpor_sender_purge.py",
-        "tests/test_dpor_transport.py",
+        "tests/sender/test_dpor_post_fence.py",
+        "tests/sender/test_dpor_purge.py",
+        "tests/sender/test_dpor_transport.py",
     ),
-    "staging/compat.py": ("tests/test_dpor_compat.py", "tests/test_compat_leniency.py"),
-    "staging/": ("tests/test_locks.py", "tests/test_linearizability.py"),
+    "staging/compat.py": (
+        "tests/staging/test_dpor_compat.py",
+        "tests/staging/test_compat_leniency.py",
+    ),
+    "staging/": ("tests/staging/test_locks.py", "tests/staging/test_linearizability.py"),
 }
 """The checks of each area (a path prefix; the first that matches a mutant's file)."""
 
@@ -53,9 +56,9 @@ _STUDY: tuple[Mutant, ...] = (
             "inline paths alike; debug-mode gates unaffected)"
         ),
         tests=(
-            "tests/test_dpor_sender_fence.py",
-            "tests/test_sender.py",
-            "tests/test_dpor_sender_purge.py",
+            "tests/sender/test_dpor_post_fence.py",
+            "tests/sender/test_sender.py",
+            "tests/sender/test_dpor_purge.py",
         ),
         stress=("sender-audit",),
     ),
@@ -79,9 +82,9 @@ _STUDY: tuple[Mutant, ...] = (
             "bytes land; the later post's transfer is never released)"
         ),
         tests=(
-            "tests/test_dpor_sender_progress.py",
-            "tests/test_sender.py",
-            "tests/test_sender_properties.py",
+            "tests/sender/test_dpor_progress.py",
+            "tests/sender/test_sender.py",
+            "tests/sender/test_properties.py",
         ),
         stress=("sender-audit",),
     ),
@@ -98,8 +101,8 @@ _STUDY: tuple[Mutant, ...] = (
             "(clear() of an old handle purges a newer opening)"
         ),
         tests=(
-            "tests/test_dpor_sender_purge.py",
-            "tests/test_sender.py",
+            "tests/sender/test_dpor_purge.py",
+            "tests/sender/test_sender.py",
             "tests/test_audit_regressions.py",
         ),
         stress=("sender-audit",),
@@ -128,9 +131,9 @@ _STUDY: tuple[Mutant, ...] = (
             "never ends)"
         ),
         tests=(
-            "tests/test_sender.py",
-            "tests/test_dpor_sender.py",
-            "tests/test_sender_properties.py",
+            "tests/sender/test_sender.py",
+            "tests/sender/test_dpor_clear.py",
+            "tests/sender/test_properties.py",
         ),
         stress=("sender-audit",),
     ),
@@ -147,9 +150,9 @@ _STUDY: tuple[Mutant, ...] = (
             "/ 'Two threads calling inline progress() never count a chunk twice'"
         ),
         tests=(
-            "tests/test_dpor_sender_progress.py",
-            "tests/test_sender_properties.py",
-            "tests/test_sender.py",
+            "tests/sender/test_dpor_progress.py",
+            "tests/sender/test_properties.py",
+            "tests/sender/test_sender.py",
         ),
         stress=("sender-audit",),
     ),
@@ -173,8 +176,8 @@ _STUDY: tuple[Mutant, ...] = (
             "draining(handle) > 0)"
         ),
         tests=(
-            "tests/test_sender.py",
-            "tests/test_sender_properties.py",
+            "tests/sender/test_sender.py",
+            "tests/sender/test_properties.py",
             "tests/test_audit_regressions.py",
         ),
         stress=("sender-audit",),
@@ -196,8 +199,8 @@ _STUDY: tuple[Mutant, ...] = (
             "is queued before the notifier stops' (the notice is withheld instead)"
         ),
         tests=(
-            "tests/test_room_notices.py",
-            "tests/test_sender.py",
+            "tests/sender/test_room_notices.py",
+            "tests/sender/test_sender.py",
             "tests/test_audit_regressions.py",
         ),
         stress=("sender-audit",),
@@ -356,9 +359,9 @@ _STUDY: tuple[Mutant, ...] = (
             "the room can land any more'"
         ),
         tests=(
-            "tests/test_room_notices.py",
-            "tests/test_dpor_sender_purge.py",
-            "tests/test_sender.py",
+            "tests/sender/test_room_notices.py",
+            "tests/sender/test_dpor_purge.py",
+            "tests/sender/test_sender.py",
         ),
         stress=("sender-audit",),
     ),
@@ -374,8 +377,8 @@ _STUDY: tuple[Mutant, ...] = (
             "write may still land)"
         ),
         tests=(
-            "tests/test_room_notices.py",
-            "tests/test_sender.py",
+            "tests/sender/test_room_notices.py",
+            "tests/sender/test_sender.py",
         ),
         stress=("sender-audit",),
     ),
@@ -404,9 +407,9 @@ _STUDY: tuple[Mutant, ...] = (
             "TransferReleasedError ... counted in chunks_released_by_transport'"
         ),
         tests=(
-            "tests/test_transport.py",
-            "tests/test_dpor_transport.py",
-            "tests/test_data_path.py",
+            "tests/sender/test_transport.py",
+            "tests/sender/test_dpor_transport.py",
+            "tests/sender/test_data_path.py",
         ),
         stress=("sender-audit",),
     ),
@@ -424,8 +427,8 @@ _STUDY: tuple[Mutant, ...] = (
             "stats().notices_failed' (skipped_dead only for a reported disconnect)"
         ),
         tests=(
-            "tests/test_room_notices.py",
-            "tests/test_transport.py",
+            "tests/sender/test_room_notices.py",
+            "tests/sender/test_transport.py",
         ),
     ),
     Mutant(
@@ -440,9 +443,9 @@ _STUDY: tuple[Mutant, ...] = (
             "unique' and write_pages 'duplicate destination pages' -> TransportParamError"
         ),
         tests=(
-            "tests/test_data_path.py",
-            "tests/test_transport.py",
-            "tests/test_sender_bad_input.py",
+            "tests/sender/test_data_path.py",
+            "tests/sender/test_transport.py",
+            "tests/sender/test_bad_input.py",
         ),
     ),
     Mutant(
@@ -465,9 +468,9 @@ _STUDY: tuple[Mutant, ...] = (
             "and stays in draining, until the transfer settles'"
         ),
         tests=(
-            "tests/test_peer_faults.py",
-            "tests/test_sender_properties.py",
-            "tests/test_transport.py",
+            "tests/e2e/test_peer_faults.py",
+            "tests/sender/test_properties.py",
+            "tests/sender/test_transport.py",
         ),
         stress=("sender-audit",),
     ),
@@ -484,9 +487,9 @@ _STUDY: tuple[Mutant, ...] = (
             "its real holder)"
         ),
         tests=(
-            "tests/test_locks.py",
-            "tests/test_staging_contract.py",
-            "tests/test_staging_races.py",
+            "tests/staging/test_locks.py",
+            "tests/staging/test_context.py",
+            "tests/staging/test_races.py",
         ),
         stress=("staging-race",),
     ),
@@ -511,9 +514,9 @@ _STUDY: tuple[Mutant, ...] = (
             "(one check-and-remove). Raises KeyError: value was not there'"
         ),
         tests=(
-            "tests/test_compat.py",
-            "tests/test_dpor_compat.py",
-            "tests/test_compat_leniency.py",
+            "tests/staging/test_compat.py",
+            "tests/staging/test_dpor_compat.py",
+            "tests/staging/test_compat_leniency.py",
         ),
         stress=("staging-race",),
     ),
@@ -540,9 +543,9 @@ _STUDY: tuple[Mutant, ...] = (
             "open and tombstoned at once' (a late writer resurrects a purged room)"
         ),
         tests=(
-            "tests/test_compat.py",
-            "tests/test_dpor_compat.py",
-            "tests/test_staging_races.py",
+            "tests/staging/test_compat.py",
+            "tests/staging/test_dpor_compat.py",
+            "tests/staging/test_races.py",
         ),
         stress=("staging-race",),
     ),
@@ -581,10 +584,10 @@ _STUDY: tuple[Mutant, ...] = (
             "stats().refused_late_writes -- when the room is not open'"
         ),
         tests=(
-            "tests/test_staging_races.py",
-            "tests/test_linearizability.py",
-            "tests/test_dpor_staging.py",
-            "tests/test_staging_contract.py",
+            "tests/staging/test_races.py",
+            "tests/staging/test_linearizability.py",
+            "tests/staging/test_dpor_room_lifecycle.py",
+            "tests/staging/test_context.py",
         ),
         stress=("staging-race",),
     ),
@@ -604,9 +607,9 @@ _STUDY: tuple[Mutant, ...] = (
             "never die'"
         ),
         tests=(
-            "tests/test_sender_properties.py",
-            "tests/test_peer_faults.py",
-            "tests/test_sender.py",
+            "tests/sender/test_properties.py",
+            "tests/e2e/test_peer_faults.py",
+            "tests/sender/test_sender.py",
         ),
         stress=("sender-audit",),
     ),

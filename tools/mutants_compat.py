@@ -1,6 +1,6 @@
 """Mutants of the compat views (``staging/compat.py``): races that a concurrency check of
-the compat contract must kill (``tests/test_dpor_compat.py``, the threaded upstream-shaped
-runs of ``tests/test_compat.py``).
+the compat contract must kill (``tests/staging/test_dpor_compat.py``, the threaded upstream-shaped
+runs of ``tests/staging/test_compat.py``).
 
 Each snippet must match the current source exactly once; when the code changes, update the
 snippet here (``make mutants`` stops with "stale mutant" until then).
@@ -12,9 +12,9 @@ from tools.mutants_spec import Mutant
 
 COMPAT = "staging/compat.py"
 COMPAT_TESTS = (
-    "tests/test_dpor_compat.py",
-    "tests/test_compat.py",
-    "tests/test_compat_leniency.py",
+    "tests/staging/test_dpor_compat.py",
+    "tests/staging/test_compat.py",
+    "tests/staging/test_compat_leniency.py",
 )
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -74,7 +74,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
 )
 
-SENTENCE_TESTS = ("tests/test_compat_sentences.py", "tests/test_compat.py")
+SENTENCE_TESTS = ("tests/staging/test_compat_views.py", "tests/staging/test_compat.py")
 """The checks of issue 23's compat sentences (and the compat unit tests)."""
 
 MUTANTS += (

@@ -8,7 +8,7 @@ notifier's table, the compat core's batched write); the checks are in
 (docs/THREADING.md, the guarantee table).
 
 Each snippet must match the current source exactly once (``make mutants`` stops with "stale
-mutant" otherwise; ``tests/test_mutants_current.py`` says so at test time). The sender's
+mutant" otherwise; ``tests/harness/test_mutants_current.py`` says so at test time). The sender's
 chunk pipeline and room table are being redesigned: the checks use only public behaviour and
 stay valid; a snippet of ``sender/pipeline.py``, ``sender/rooms.py`` or ``sender/manager.py``
 is to be re-planted in the new code, with the same description.
@@ -252,7 +252,7 @@ PeerNotFoundError.__bases__ = (TransferTimeoutError,)  # MUTANT: a removed peer 
         kind="race",
         description="the outside study's version: intersection_update computes its discard "
         "list from a snapshot taken before the lock; it passes the in-place operator cases "
-        "of tests/test_compat_sentences.py, not an element outside `other` added while "
+        "of tests/staging/test_compat_views.py, not an element outside `other` added while "
         "another is discarded and re-added (violates 'intersection_update / &= decide on the "
         "view's state inside the lock')",
         tests=COMPAT,

@@ -15,13 +15,13 @@ MANAGER = "sender/manager.py"
 ROOMS = "sender/rooms.py"
 PIPELINE = "sender/pipeline.py"
 REGRESSIONS = "tests/test_audit_regressions.py"
-DPOR = "tests/test_dpor_sender.py"
-DPOR_FENCE = "tests/test_dpor_sender_fence.py"
-DPOR_PROGRESS = "tests/test_dpor_sender_progress.py"
-DPOR_PURGE = "tests/test_dpor_sender_purge.py"
-SENDER_TESTS = ("tests/test_sender.py", REGRESSIONS)
+DPOR = "tests/sender/test_dpor_clear.py"
+DPOR_FENCE = "tests/sender/test_dpor_post_fence.py"
+DPOR_PROGRESS = "tests/sender/test_dpor_progress.py"
+DPOR_PURGE = "tests/sender/test_dpor_purge.py"
+SENDER_TESTS = ("tests/sender/test_sender.py", REGRESSIONS)
 SENDER_STRESS = ("sender-audit",)
-PROPERTIES = "tests/test_sender_properties.py"
+PROPERTIES = "tests/sender/test_properties.py"
 LOAD_DEFECTS = "tests/test_load_defects.py"
 EDGE = "tests/test_edge_defects.py"
 
@@ -39,8 +39,8 @@ MUTANTS: tuple[Mutant, ...] = (
         description="KVManager.fail_session does not call staging.purge_session: the dead "
         "session's staging keys stay in every room",
         tests=(
-            "tests/test_staging_fail_session.py",
-            "tests/test_sender.py::test_remote_disconnect_fails_every_room_of_that_session",
+            "tests/sender/test_fail_session.py",
+            "tests/sender/test_sender.py::test_remote_disconnect_fails_every_room_of_that_session",
         ),
     ),
     Mutant(
@@ -112,7 +112,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="race",
         description="defect 5: StagingContext.purge_room honours lock_timeout: clear() raises "
         "LockTimeoutError and leaves the room half-purged under a long reader",
-        tests=(REGRESSIONS, "tests/test_sender.py"),
+        tests=(REGRESSIONS, "tests/sender/test_sender.py"),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -256,7 +256,7 @@ MUTANTS: tuple[Mutant, ...] = (
         description="a purged opening's room notice is queued when its first draining chunk "
         "ends, not its last: the decode side is told its pages are free while a write of the "
         "room may still land in them",
-        tests=("tests/test_room_notices.py", PROPERTIES),
+        tests=("tests/sender/test_room_notices.py", PROPERTIES),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -279,7 +279,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="race",
         description="the batched inline send registers its chunks before taking the room's "
         "post gate: a purge between registration and post returns, then the writes are posted",
-        tests=(DPOR_FENCE, "tests/test_sender.py"),
+        tests=(DPOR_FENCE, "tests/sender/test_sender.py"),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -292,7 +292,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="sequential",
         description="the Python path of the page scan (up to 32 pages) never reports a repeat: "
         "repeated destination pages of short lists pass make_transfer_info and CheckedPages",
-        tests=(PROPERTIES, "tests/test_load_defects.py", "tests/test_data_path.py"),
+        tests=(PROPERTIES, "tests/test_load_defects.py", "tests/sender/test_data_path.py"),
     ),
     Mutant(
         id="sweep-only-when-idle",
@@ -318,7 +318,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="sequential",
         description="write_pages trusts CheckedPages without comparing their bound with the "
         "regions: a checked list built for a larger pool reaches NIXL",
-        tests=("tests/test_data_path.py",),
+        tests=("tests/sender/test_data_path.py",),
     ),
     Mutant(
         id="checked-slice-drops-bound",
@@ -330,7 +330,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="sequential",
         description="a CheckedPages slice forgets its parent's bound: out-of-range pages of "
         "a slice pass the transport's O(1) check",
-        tests=("tests/test_data_path.py",),
+        tests=("tests/sender/test_data_path.py",),
     ),
     Mutant(
         id="e25-inline-slot-wait-only-sweeps",

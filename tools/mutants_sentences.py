@@ -3,7 +3,7 @@ section 3): the notifier, the staging pool's leases, the failure records, inline
 and the listeners' fan-out. The compat views' sentences are in ``tools/mutants_compat.py``,
 the decode peer's below. Each is planted somewhere else than the line its check was first
 expected to watch; the checks are in ``tests/test_sender_sentences.py`` and
-``tests/test_peer_sentences.py`` (docs/THREADING.md, the guarantee table).
+``tests/harness/test_decode_peer.py`` (docs/THREADING.md, the guarantee table).
 
 Each snippet must match the current source exactly once (``make mutants`` stops with "stale
 mutant" otherwise).
@@ -14,9 +14,9 @@ from __future__ import annotations
 from tools.mutants_spec import Mutant
 
 SENTENCES = ("tests/test_sender_sentences.py",)
-PEER_SENTENCES = ("tests/test_peer_sentences.py",)
-REMOVED = "tests/test_removed_peer_writes.py"
-ISOLATION = "tests/test_peer_isolation.py"
+PEER_SENTENCES = ("tests/harness/test_decode_peer.py",)
+REMOVED = "tests/sender/test_removed_peers.py"
+ISOLATION = "tests/sender/test_peer_isolation.py"
 NOTIFIER = "sender/notifier.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -36,7 +36,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "slot; a chunk that began waiting before the last holder hung waits out "
         "slot_timeout_s (violates 'a chunk waiting for a slot gives up as soon as every slot "
         "is held by a hung chunk')",
-        tests=("tests/test_sender_properties.py::"
+        tests=("tests/sender/test_properties.py::"
                "test_a_slot_wait_gives_up_at_once_when_only_hung_chunks_hold_the_slots",),
     ),
     Mutant(
@@ -55,7 +55,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "no hung holder and waits out slot_timeout_s (and the sweep never ends a settled hung "
         "chunk) (violates 'a chunk waiting for a slot gives up as soon as every slot is held "
         "by a hung chunk')",
-        tests=("tests/test_sender_properties.py::"
+        tests=("tests/sender/test_properties.py::"
                "test_a_slot_wait_gives_up_at_once_when_only_hung_chunks_hold_the_slots",),
     ),
     Mutant(
@@ -280,7 +280,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "when its peer is removed keeps its opening draining until NIXL settles it')",
         tests=(REMOVED,),
     ),
-    # Peer isolation (THREADING.md, "Peer isolation"; tests/test_peer_isolation.py).
+    # Peer isolation (THREADING.md, "Peer isolation"; tests/sender/test_peer_isolation.py).
     Mutant(
         id="worker-waits-on-its-chunks",
         file="sender/pipeline.py",

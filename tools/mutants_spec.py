@@ -21,7 +21,7 @@ stale handles, closed rooms). ``sequential``: a plain logic bug, visible without
 NOT_CONCURRENCY_CHECKS: tuple[str, ...] = (
     # Counts lock acquisitions and contention: its threads only make contention to count;
     # it judges no interleaving's outcome (a "lock counter" kill is not a concurrency kill).
-    "tests/test_locks.py::test_stats_count_acquisitions_and_contention*",
+    "tests/staging/test_locks.py::test_stats_count_acquisitions_and_contention*",
 )
 """``fnmatch`` patterns of pytest node ids that start threads (or lower the switch interval)
 without checking what an interleaving did: never classified as concurrency checks."""

@@ -9,15 +9,15 @@ from __future__ import annotations
 from tools.mutants_spec import Mutant
 
 STAGING_TESTS = (
-    "tests/test_staging_contract.py",
-    "tests/test_staging_races.py",
-    "tests/test_staging_point_reads.py",
-    "tests/test_linearizability.py",
+    "tests/staging/test_context.py",
+    "tests/staging/test_races.py",
+    "tests/staging/test_point_reads.py",
+    "tests/staging/test_linearizability.py",
 )
 # The DPOR proofs only for the lifecycle mutants: mutants that add shared-memory steps to the
 # explored paths (caches, a second critical section, a check outside the lock) make the
 # exploration outgrow its 120 s limit, which is a timeout, not a finding.
-WITH_DPOR = (*STAGING_TESTS, "tests/test_dpor_staging.py")
+WITH_DPOR = (*STAGING_TESTS, "tests/staging/test_dpor_room_lifecycle.py")
 STAGING_STRESS = ("staging-race",)
 
 CONTEXT = "staging/context.py"
@@ -141,7 +141,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="sequential",
         description="purge_session drops the session index and the counter but leaves the "
         "keys in their rooms",
-        tests=(*STAGING_TESTS, "tests/test_staging_fail_session.py"),
+        tests=(*STAGING_TESTS, "tests/sender/test_fail_session.py"),
         stress=STAGING_STRESS,
     ),
     Mutant(
@@ -202,7 +202,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="race",
         description="RWLock.write() takes the shared (read) side: writers and readers of an "
         "rw context run together",
-        tests=("tests/test_locks.py", *STAGING_TESTS),
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(
@@ -220,7 +220,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="race",
         description="the inline (non-debug) mutex guard enters without waiting when the lock "
         "is taken: mutual exclusion is lost only under contention",
-        tests=("tests/test_locks.py", *STAGING_TESTS),
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(
@@ -237,7 +237,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="race",
         description="the inline mutex guard releases before clearing the owner: under "
         "contention it erases the next holder's ownership (assert_held fails in the holder)",
-        tests=("tests/test_locks.py", *STAGING_TESTS),
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(
@@ -256,7 +256,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="race",
         description="request_prefetch's inline mutex release clears the owner after letting "
         "the lock go: another holder's ownership is erased (the lock's own code is intact)",
-        tests=("tests/test_locks.py", *STAGING_TESTS),
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(
@@ -276,7 +276,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="race",
         description="a contended acquisition writes the owner before it has the lock: the "
         "holder's assert_held fails while another thread waits",
-        tests=("tests/test_locks.py", *STAGING_TESTS),
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(

@@ -10,8 +10,8 @@ from __future__ import annotations
 from tools.mutants_spec import Mutant
 
 TRANSPORT = "sender/transport.py"
-DPOR_TRANSPORT = "tests/test_dpor_transport.py"
-TRANSPORT_TESTS = ("tests/test_transport.py", "tests/test_load_defects.py", DPOR_TRANSPORT)
+DPOR_TRANSPORT = "tests/sender/test_dpor_transport.py"
+TRANSPORT_TESTS = ("tests/sender/test_transport.py", "tests/test_load_defects.py", DPOR_TRANSPORT)
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
