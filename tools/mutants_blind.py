@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from tools.mutants_spec import Mutant
+from tools.mutants_spec import ISSUE_9_TESTS, ISSUE_16_TESTS, Mutant
 
 AREA_CHECKS: dict[str, tuple[str, ...]] = {
     "sender/": (
         "tests/sender/test_properties.py",
-        "tests/test_load_defects.py",
+        *ISSUE_16_TESTS,
         "tests/sender/test_dpor_post_fence.py",
         "tests/sender/test_dpor_purge.py",
         "tests/sender/test_dpor_transport.py",
@@ -103,7 +103,7 @@ _STUDY: tuple[Mutant, ...] = (
         tests=(
             "tests/sender/test_dpor_purge.py",
             "tests/sender/test_sender.py",
-            "tests/test_audit_regressions.py",
+            *ISSUE_9_TESTS,
         ),
         stress=("sender-audit",),
     ),
@@ -178,7 +178,7 @@ _STUDY: tuple[Mutant, ...] = (
         tests=(
             "tests/sender/test_sender.py",
             "tests/sender/test_properties.py",
-            "tests/test_audit_regressions.py",
+            *ISSUE_9_TESTS,
         ),
         stress=("sender-audit",),
     ),
@@ -201,7 +201,7 @@ _STUDY: tuple[Mutant, ...] = (
         tests=(
             "tests/sender/test_room_notices.py",
             "tests/sender/test_sender.py",
-            "tests/test_audit_regressions.py",
+            *ISSUE_9_TESTS,
         ),
         stress=("sender-audit",),
     ),
@@ -489,6 +489,7 @@ _STUDY: tuple[Mutant, ...] = (
         tests=(
             "tests/staging/test_locks.py",
             "tests/staging/test_context.py",
+            "tests/staging/test_late_writers.py",
             "tests/staging/test_races.py",
         ),
         stress=("staging-race",),
@@ -588,6 +589,7 @@ _STUDY: tuple[Mutant, ...] = (
             "tests/staging/test_linearizability.py",
             "tests/staging/test_dpor_room_lifecycle.py",
             "tests/staging/test_context.py",
+            "tests/staging/test_late_writers.py",
         ),
         stress=("staging-race",),
     ),

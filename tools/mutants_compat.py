@@ -74,7 +74,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
 )
 
-SENTENCE_TESTS = ("tests/staging/test_compat_views.py", "tests/staging/test_compat.py")
+SENTENCE_TESTS = (
+    "tests/staging/test_compat_views.py",
+    "tests/staging/test_late_writers.py",
+    "tests/staging/test_compat.py",
+)
 """The checks of issue 23's compat sentences (and the compat unit tests)."""
 
 MUTANTS += (

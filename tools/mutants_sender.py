@@ -9,21 +9,20 @@ mutant" otherwise).
 
 from __future__ import annotations
 
-from tools.mutants_spec import Mutant
+from tools.mutants_spec import ISSUE_9_TESTS, ISSUE_16_TESTS, Mutant
 
 MANAGER = "sender/manager.py"
 ROOMS = "sender/rooms.py"
 PIPELINE = "sender/pipeline.py"
-REGRESSIONS = "tests/test_audit_regressions.py"
+REGRESSIONS = ISSUE_9_TESTS
 DPOR = "tests/sender/test_dpor_clear.py"
 DPOR_FENCE = "tests/sender/test_dpor_post_fence.py"
 DPOR_PROGRESS = "tests/sender/test_dpor_progress.py"
 DPOR_PURGE = "tests/sender/test_dpor_purge.py"
-SENDER_TESTS = ("tests/sender/test_sender.py", REGRESSIONS)
+SENDER_TESTS = ("tests/sender/test_sender.py", *REGRESSIONS)
 SENDER_STRESS = ("sender-audit",)
 PROPERTIES = "tests/sender/test_properties.py"
-LOAD_DEFECTS = "tests/test_load_defects.py"
-EDGE = "tests/test_edge_defects.py"
+LOAD_DEFECTS = ISSUE_16_TESTS
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -112,7 +111,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="race",
         description="defect 5: StagingContext.purge_room honours lock_timeout: clear() raises "
         "LockTimeoutError and leaves the room half-purged under a long reader",
-        tests=(REGRESSIONS, "tests/sender/test_sender.py"),
+        tests=(*REGRESSIONS, "tests/sender/test_sender.py"),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -227,7 +226,7 @@ MUTANTS: tuple[Mutant, ...] = (
         description="a hung chunk is ended (handle released, slot returned) at the first sweep "
         "although NIXL still has its write in progress: its late bytes may land in pages or a "
         "slot given to another room",
-        tests=(PROPERTIES, LOAD_DEFECTS),
+        tests=(PROPERTIES, *LOAD_DEFECTS),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -242,7 +241,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="race",
         description="close()'s abandon path ends a chunk another thread already claimed (its "
         "poll saw the end first): the transfer is released twice and the chunk counted twice",
-        tests=(PROPERTIES, LOAD_DEFECTS, DPOR),
+        tests=(PROPERTIES, *LOAD_DEFECTS, DPOR),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -292,7 +291,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="sequential",
         description="the Python path of the page scan (up to 32 pages) never reports a repeat: "
         "repeated destination pages of short lists pass make_transfer_info and CheckedPages",
-        tests=(PROPERTIES, "tests/test_load_defects.py", "tests/sender/test_data_path.py"),
+        tests=(PROPERTIES, *LOAD_DEFECTS, "tests/sender/test_data_path.py"),
     ),
     Mutant(
         id="sweep-only-when-idle",
@@ -305,7 +304,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="race",
         description="a worker sweeps hung chunks only when its queue stays empty for 50 ms "
         "(the audited shape): under steady traffic a settled hung chunk keeps its slot",
-        tests=(LOAD_DEFECTS,),
+        tests=LOAD_DEFECTS,
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -344,7 +343,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="sequential",
         description="issue 25 defect 1: an inline send waiting for a slot only sweeps hung "
         "chunks; its own completed writes hold the slots until slot_timeout_s fails the room",
-        tests=(f"{EDGE}::test_d1_inline_scheduler_step_with_fewer_slots_than_chunks",),
+        tests=("tests/sender/test_draining.py::test_inline_scheduler_step_with_fewer_slots_than_chunks",),
     ),
     Mutant(
         id="e25-skip-without-event",
@@ -359,8 +358,8 @@ MUTANTS: tuple[Mutant, ...] = (
         description="issue 25 defect 3: skipped chunks reach stats() but not the listener: "
         "the chunk histograms no longer add up to chunks_ended_total",
         tests=(
-            f"{EDGE}::test_d3_listener_sees_skipped_and_slot_failed_chunks",
-            f"{EDGE}::test_listener_counts_equal_stats_with_clears_racing_sends",
+            "tests/sender/test_chunks_end_once.py::test_listener_sees_skipped_and_slot_failed_chunks",
+            "tests/sender/test_chunks_end_once.py::test_listener_counts_equal_stats_with_clears_racing_sends",
         ),
     ),
     Mutant(
@@ -373,7 +372,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="sequential",
         description="issue 25 defect 4: abort() after Success counts the room in "
         "rooms_failed (and by code): a room concludes twice",
-        tests=(f"{EDGE}::test_d4_abort_after_success_counts_no_failure_and_sends_no_notice",),
+        tests=("tests/sender/test_failure_reporting.py::test_abort_after_success_counts_no_failure_and_sends_no_notice",),
     ),
     Mutant(
         id="e25-close-joins-itself",
@@ -387,7 +386,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="sequential",
         description="issue 25 defect 6: close() from a listener callback on a worker raises "
         "'cannot join current thread' half-way and leaves the notifier running",
-        tests=(f"{EDGE}::test_d6_close_from_a_listener_callback_on_a_worker",),
+        tests=("tests/sender/test_close.py::test_close_from_a_listener_callback_on_a_worker",),
     ),
     Mutant(
         id="e25-close-does-not-wake",
@@ -401,7 +400,7 @@ MUTANTS: tuple[Mutant, ...] = (
         description="issue 25 suspicion: a worker's long pause between polls is a sleep, not a "
         "wait on its queue: "
         "a poll_interval_s longer than its join makes close() raise",
-        tests=(f"{EDGE}::test_s_long_poll_interval_does_not_fail_close",),
+        tests=("tests/sender/test_close.py::test_long_poll_interval_does_not_fail_close",),
     ),
     Mutant(
         id="e25-unposted-failure-without-event",
@@ -418,8 +417,8 @@ MUTANTS: tuple[Mutant, ...] = (
         description="issue 25 defect 3: a chunk that fails before its post (no staging slot) "
         "reaches stats() but not the listener",
         tests=(
-            f"{EDGE}::test_d3_listener_sees_skipped_and_slot_failed_chunks",
-            f"{EDGE}::test_listener_counts_equal_stats_with_clears_racing_sends",
+            "tests/sender/test_chunks_end_once.py::test_listener_sees_skipped_and_slot_failed_chunks",
+            "tests/sender/test_chunks_end_once.py::test_listener_counts_equal_stats_with_clears_racing_sends",
         ),
     ),
 )

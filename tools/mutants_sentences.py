@@ -2,7 +2,7 @@
 section 3): the notifier, the staging pool's leases, the failure records, inline progress
 and the listeners' fan-out. The compat views' sentences are in ``tools/mutants_compat.py``,
 the decode peer's below. Each is planted somewhere else than the line its check was first
-expected to watch; the checks are in ``tests/test_sender_sentences.py`` and
+expected to watch; the checks are in the files of the behaviours they check (``SENTENCES``) and
 ``tests/harness/test_decode_peer.py`` (docs/THREADING.md, the guarantee table).
 
 Each snippet must match the current source exactly once (``make mutants`` stops with "stale
@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from tools.mutants_spec import Mutant
 
-SENTENCES = ("tests/test_sender_sentences.py",)
+SENTENCES = (
+    "tests/sender/test_room_notices.py::test_a_queued_notice_and_its_counters_change_together",
+    "tests/sender/test_room_notices.py::test_pending_notices_include_those_skipped_to_dead_peers",
+    "tests/sender/test_room_notices.py::test_close_returns_while_a_notice_send_hangs",
+    "tests/staging/test_slot_pool.py::test_a_stale_release_never_frees_a_slot_someone_else_holds",
+    "tests/sender/test_failure_reporting.py::test_a_failure_record_is_popped_for_its_opening",
+    "tests/sender/test_draining.py::test_progress_ends_a_purged_rooms_draining_chunk",
+    "tests/sender/test_failure_reporting.py::test_fanout_survives_a_listener_that_cannot_be_printed",
+)
 PEER_SENTENCES = ("tests/harness/test_decode_peer.py",)
 REMOVED = "tests/sender/test_removed_peers.py"
 ISOLATION = "tests/sender/test_peer_isolation.py"

@@ -10,6 +10,7 @@ from tools.mutants_spec import Mutant
 
 STAGING_TESTS = (
     "tests/staging/test_context.py",
+    "tests/staging/test_late_writers.py",
     "tests/staging/test_races.py",
     "tests/staging/test_point_reads.py",
     "tests/staging/test_linearizability.py",

@@ -19,14 +19,19 @@ before ``Success`` (wire format and decode-side contract: docs/PROTOCOL.md secti
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+import torch
 
+from sender.errors import PeerNotFoundError, TransferTimeoutError
+from sender.manager import KVManager, make_transfer_info
+from sender.nixl_sender import NixlKVSender
 from sender.notices import (
     CODES,
     MAX_NOTICE_BYTES,
@@ -37,7 +42,13 @@ from sender.notices import (
     decode_notice,
     is_notice,
 )
+from sender.notifier import Notifier
+from sender.poll import KVPoll
+from staging import StagingContext
 from tests.fixtures_nixl import PAGE_BYTES, SenderPool, make_sender_pool, requires_nixl
+from tests.interleave import explore
+from tests.sender.test_dpor_clear import PAGE_BYTES as MEM_PAGE_BYTES
+from tests.sender.test_dpor_clear import InstantTransport
 
 # --------------------------------------------------------------------------- wire format
 
@@ -324,7 +335,6 @@ def test_a_room_aborted_in_flight_is_told_only_after_its_chunks_drained(
 def test_cleared_rooms_are_told_cleared_and_success_rooms_nothing(
     shared_peer: Any, make_sender: Callable[..., _Sender]
 ) -> None:
-    from sender.poll import KVPoll
 
     s = make_sender(shared_peer)
     peer = shared_peer
@@ -364,7 +374,6 @@ def test_notices_to_a_dead_peer_are_counted_and_never_block_or_raise(
     caller's thread, nothing raises, nothing hangs ``close()``. (A notice sent before anyone
     noticed the death may even "succeed": NIXL reports that send's failure asynchronously.)"""
     from sender.errors import TRANSPORT_ERRORS, KVTransferError
-    from sender.poll import KVPoll
 
     peer = peer_factory(64, PAGE_BYTES)
     s = make_sender(peer)
@@ -443,7 +452,6 @@ def test_decode_told_check_catches_missing_wrong_and_unwanted_notices(
     """The stress suite's ``decode-told`` check on a manager that sends no notice, with
     notices planted by hand: one room never told, one told the wrong outcome, one ``Success``
     room told failed: three violations; the rooms told correctly pass."""
-    from sender.poll import KVPoll
     from stress.framework import Monitor
     from stress.invariants import DECODE_TOLD
     from stress.scenarios._sender_rig import NoticeTracker, TrackedManager
@@ -488,7 +496,6 @@ def test_decode_told_judges_a_room_aborted_after_success_as_a_success(
     notified (docs/PROTOCOL.md): ``decode-told`` must not call it missing, and must still
     call a "failed" notice of it a violation. (The check once judged it by the purge's
     status alone: two-hosts' notice rounds failed with "never sent" beside CPU hogs.)"""
-    from sender.poll import KVPoll
     from stress.framework import Monitor
     from stress.invariants import DECODE_TOLD
     from stress.scenarios._sender_rig import NoticeTracker, TrackedManager
@@ -687,3 +694,323 @@ def test_decode_told_waits_for_the_notifier_backlog_and_still_finds_a_lost_notic
     assert str(lost_room) in report.examples[0] and "sent " in report.examples[0]
     assert counts["late"] > 0, f"no notice came later than {TOLD_WAIT_S} s: not a backlog"
     assert counts["notifier_stuck"] == 0
+
+
+STUB_PAGE_BYTES = 16
+
+
+BOUND_S = 10.0
+
+
+def _stub_wait(cond: Callable[[], bool], timeout_s: float = BOUND_S) -> bool:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() >= end:
+            return cond()
+        time.sleep(0.002)
+    return True
+
+
+class StubTransfer:
+    """A posted write. ``state``: ``"PROC"`` (in flight), ``"DONE"``; ``error``: what a poll
+    raises instead (a deadline, a removed peer); ``settled``: whether NIXL is done with it
+    (a hung or kept write is not)."""
+
+    def __init__(self, session_id: str, notif: bytes | None) -> None:
+        self.session_id = session_id
+        self.notif = notif
+        self.state = "PROC"
+        self.error: BaseException | None = None
+        self.is_settled = True
+        self.releases = 0
+        self._lock = threading.Lock()
+
+    def poll(self) -> str:
+        if self.error is not None:
+            raise self.error
+        return self.state
+
+    def settled(self) -> bool:
+        return self.is_settled
+
+    def release(self) -> None:
+        with self._lock:
+            self.releases += 1
+
+    def hang(self) -> None:
+        """Past its deadline while NIXL still has it (a hung peer)."""
+        self.is_settled = False
+        self.error = TransferTimeoutError(self.session_id, 0.0)
+
+    def keep_at_removal(self) -> None:
+        """``remove_peer`` kept it: NIXL still has it, its polls raise PeerNotFoundError."""
+        self.is_settled = False
+        self.error = PeerNotFoundError(self.session_id)
+
+    def land(self) -> None:
+        """NIXL completes it (a resumed peer, a healed link)."""
+        self.error = None
+        self.state = "DONE"
+        self.is_settled = True
+
+
+class StubTransport:
+    """``write_pages`` makes a :class:`StubTransfer` (in flight until the test says
+    otherwise); ``send_notif`` records each room notice with the moment it was sent."""
+
+    def __init__(self) -> None:
+        self.transfers: list[StubTransfer] = []
+        self.notices: list[tuple[str, RoomNotice]] = []
+        self._lock = threading.Lock()
+
+    def write_pages(
+        self,
+        session_id: str,
+        src_pages: Any,
+        dst_pages: Any,
+        notif: bytes | None = None,
+        *,
+        src_region: str = "kv",
+        dst_region: str = "kv",
+        timeout_s: float | None = None,
+    ) -> StubTransfer:
+        xfer = StubTransfer(session_id, notif)
+        with self._lock:
+            self.transfers.append(xfer)
+        return xfer
+
+    def send_notif(self, session_id: str, message: bytes) -> None:
+        with self._lock:
+            self.notices.append((session_id, decode_notice(message)))
+
+    def sent(self) -> list[tuple[int, int, str]]:
+        with self._lock:
+            return [(n.room, n.gen, n.outcome) for _, n in self.notices]
+
+
+_MADE: list[KVManager] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_managers() -> Iterator[None]:
+    yield
+    while _MADE:
+        _MADE.pop().close(1.0)
+
+
+def _told_at_least(transport: StubTransport, n: int) -> bool:
+    return len(transport.sent()) >= n
+
+
+def _stub_manager(transport: StubTransport, **kw: Any) -> KVManager:
+    kw.setdefault("num_workers", 0)
+    kw.setdefault("staging", StagingContext(lock="mutex"))
+    mgr = KVManager(transport, torch.zeros((16, STUB_PAGE_BYTES), dtype=torch.uint8), **kw)
+    _MADE.append(mgr)
+    return mgr
+
+
+def _sender(mgr: KVManager, room: int, session: str = "d0", pages: int = 1) -> NixlKVSender:
+    s = NixlKVSender(mgr, room, [session], [make_transfer_info(session, range(pages))])
+    s.init(pages)
+    return s
+
+
+JOIN_S = 30.0
+
+
+BLOCK_S = 0.05
+
+
+NOTICE = RoomNotice(5, 1, "failed", "aborted")
+
+
+def _ran(result: Any, label: str) -> None:
+    print(f"{label}: {result.schedules} schedules, {result.blocked} blocked")
+    assert result.schedules > 1, "the explorer ran no preempted schedule"
+    assert not result.failures, result.failures[:3]
+
+
+def _until(cond: Callable[[], bool], what: str, bound_s: float = JOIN_S) -> None:
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not within {bound_s:g} s"
+        time.sleep(0.001)
+
+
+class EnqueueVsStop:
+    """A notice for two sessions is queued while ``stop`` runs on another thread. The send
+    function checks, on the notifier thread, that the message it sends was counted queued."""
+
+    made: ClassVar[list[Notifier]] = []  # every notifier, stopped at the end of the test
+
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+        self.notifier = Notifier(self._send)
+        self.made.append(self.notifier)
+        self.stopped: bool | None = None
+
+    def _send(self, session_id: str, payload: bytes) -> None:
+        c = self.notifier.counts()
+        if c.pending < 1:
+            self.violations.append(f"sending to {session_id} while counts say {c}")
+
+    def enqueue(self) -> None:
+        self.notifier.enqueue(NOTICE, ("d0", "d1"))
+
+    def stop(self) -> None:
+        self.stopped = self.notifier.stop(JOIN_S)
+
+    def check(self) -> str | None:
+        if self.violations:
+            return "; ".join(self.violations)
+        if not self.stopped:
+            return "stop() did not see the notifier thread end"
+        c = self.notifier.counts()
+        told = (c.queued, c.sent, c.withheld) in ((2, 2, 0), (0, 0, 1))
+        if c.pending != 0 or not told:
+            return f"after stop() returned True: {c} (the notice neither sent nor withheld)"
+        return None
+
+
+class NotifyingTransport(InstantTransport):
+    """The in-memory transport with ``send_notif`` (``block`` set: every send hangs until
+    it is cleared, as a send to a partitioned peer can in NIXL) and ``peer_disconnected``
+    (the sessions in ``dead``)."""
+
+    def __init__(self, dead: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.dead = dead
+        self.sent: list[tuple[str, bytes]] = []
+        self.hang = threading.Event()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def send_notif(self, session_id: str, message: bytes) -> None:
+        self.entered.set()
+        if self.hang.is_set():  # longer than the test's closer waits (3 x JOIN_S)
+            self.release.wait(3 * JOIN_S)
+        self.sent.append((session_id, message))
+
+    def peer_disconnected(self, session_id: str) -> bool:
+        return session_id in self.dead
+
+
+def _mem_manager(transport: Any, **kw: Any) -> KVManager:
+    return KVManager(
+        transport,
+        torch.zeros((8, MEM_PAGE_BYTES), dtype=torch.uint8),
+        num_workers=0,
+        staging=StagingContext(lock="mutex"),
+        **kw,
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("first_drains", ["first", "second"])
+def test_a_notice_is_held_and_released_per_opening(workers: int, first_drains: str) -> None:
+    """THREADING.md, Room notices; PROTOCOL.md 3: room 7 is cleared while its write is in
+    flight (its notice is held), reopened, written to and cleared again while the first
+    write still drains. Each opening gets its own notice, sent only once *its* write ended:
+    while one opening drains, no notice of it may go out, and the other's notice is not
+    lost. Drained in both orders; with workers the ends are seen on worker threads.
+
+    Found by issue 33, item 0 (sentence (d): planted bugs an outside set got past).
+    """
+    transport = StubTransport()
+    mgr = _stub_manager(transport, num_workers=workers)
+    try:
+        first = _sender(mgr, 7)
+        first.send(np.array([3]))
+        assert _stub_wait(lambda: len(transport.transfers) == 1)
+        first.clear()
+        second = _sender(mgr, 7)
+        second.send(np.array([4]))
+        assert _stub_wait(lambda: len(transport.transfers) == 2)
+        second.clear()
+        g1, g2 = first.handle.generation, second.handle.generation
+        assert g1 != g2
+        order = [(0, g1), (1, g2)] if first_drains == "first" else [(1, g2), (0, g1)]
+        time.sleep(0.05)  # give a wrong early notice time to go out
+        assert transport.sent() == [], (
+            f"a notice went out before anything drained: {transport.sent()}"
+        )
+        told: list[tuple[int, int, str]] = []
+        for n, (index, gen) in enumerate(order):
+            transport.transfers[index].land()
+            handle = first.handle if gen == g1 else second.handle
+            assert mgr.wait_drained(handle, BOUND_S), f"opening gen {gen} never drained"
+            told.append((7, gen, "cleared"))
+            assert _stub_wait(functools.partial(_told_at_least, transport, n + 1)), (
+                f"no notice for gen {gen} once it drained: {transport.sent()} {mgr.stats()}"
+            )
+            time.sleep(0.02)  # a second, wrong notice would follow at once
+            assert transport.sent() == told, (
+                f"after gen {gen} drained the decode side was told {transport.sent()}, "
+                f"expected {told}"
+            )
+    finally:
+        mgr.close(1.0)
+
+
+@pytest.mark.timeout(120)
+def test_a_queued_notice_and_its_counters_change_together() -> None:
+    """Found by issue 23, section 3 (planted bugs an outside set got past)."""
+    try:
+        result = explore(EnqueueVsStop, EnqueueVsStop.enqueue, EnqueueVsStop.stop,
+                         EnqueueVsStop.check, block_s=BLOCK_S)  # fmt: skip
+    finally:
+        for notifier in EnqueueVsStop.made:
+            assert notifier.stop(JOIN_S)
+        EnqueueVsStop.made.clear()
+    _ran(result, "notifier enqueue vs stop")
+
+
+@pytest.mark.timeout(120)
+def test_pending_notices_include_those_skipped_to_dead_peers() -> None:
+    """Found by issue 23, section 3 (planted bugs an outside set got past)."""
+    tx = NotifyingTransport(dead=frozenset({"dead"}))
+    mgr = _mem_manager(tx)
+    try:
+        handle = mgr.open_room(5, ["dead", "live"])
+        mgr.purge_room(handle)  # cleared before Success, nothing in flight: told at once
+        _until(lambda: len(tx.sent) == 1 and mgr.stats().notices_skipped_dead == 1,
+               "the notifier handling both sessions")  # fmt: skip
+        st = mgr.stats()
+        assert st.notices_pending == 0, f"a notice skipped to a dead peer still pending: {st}"
+        assert mgr.notifier.counts().pending == 0
+    finally:
+        mgr.close(0)
+
+
+@pytest.mark.timeout(120)
+def test_close_returns_while_a_notice_send_hangs() -> None:
+    """``stop()``'s join is bounded: ``close()`` leaves a notifier blocked in a send behind
+    (a daemon) instead of waiting for it.
+
+    Found by issue 23, section 3 (planted bugs an outside set got past).
+    """
+    tx = NotifyingTransport()
+    tx.hang.set()
+    mgr = _mem_manager(tx)
+    returned: list[bool] = []
+    try:
+        mgr.purge_room(mgr.open_room(5, ["d0"]))
+        assert tx.entered.wait(JOIN_S), "the notifier never sent"
+        def close() -> None:
+            mgr.close(0.1)
+            returned.append(True)
+
+        closer = threading.Thread(target=close, daemon=True)
+        closer.start()
+        closer.join(JOIN_S)  # close() waits its 0.5 s grace, then leaves the notifier
+        assert not closer.is_alive() and returned == [True], "close() waited for a hung send"
+        notifier = mgr.notifier
+        assert notifier.stop(0.05) is False, "stop() says the hung notifier thread ended"
+    finally:
+        tx.release.set()
+        thread = mgr.notifier.thread
+        assert thread is not None
+        thread.join(JOIN_S)
+        assert not thread.is_alive()

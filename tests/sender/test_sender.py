@@ -7,8 +7,10 @@ Faults are injected by wrapping the real transport (``stress.harness.faults``).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +25,8 @@ from sender.transport import NixlTransport
 from staging import RoomAlreadyOpenError
 from staging.buffers import StagingBufferPool
 from stress.harness.faults import FaultInjectingTransport, nixl_error
+from tests.fixtures_nixl import requires_nixl
+from tests.polling import conclude
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
 
@@ -67,7 +71,6 @@ def _sender(mgr: KVManager, room: int, n: int = 8, start_dst: int = 0) -> NixlKV
 
 
 def _wait(s: NixlKVSender, timeout_s: float = 10.0) -> KVPoll:
-    import time
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -433,3 +436,72 @@ def test_late_writes_after_purge_are_refused(rig: Rig) -> None:
 def test_nixl_is_really_used() -> None:
     assert _nixl.AVAILABLE
     assert np.dtype(np.int64).itemsize == 8
+
+
+SESSIONS_PAGES = 64
+
+
+SESSIONS_PAGE_BYTES = 4096
+
+
+A, B = "decode-a", "decode-b"
+
+
+@dataclass
+class SessionsRig:
+    tx: NixlTransport
+    rx: NixlTransport
+    kv: torch.Tensor
+    dst: torch.Tensor
+
+    def with_pool(self, num_slots: int, slot_pages: int, page_bytes: int = SESSIONS_PAGE_BYTES,
+                  cls: type[StagingBufferPool] = StagingBufferPool, **kw: Any) -> Any:
+        pool = cls(num_slots, slot_pages, page_bytes, **kw)
+        self.tx.register_region("staging", pool.tensor, page_bytes)
+        return pool
+
+
+@pytest.fixture
+def sessions_rig() -> Iterator[SessionsRig]:
+    """A prefill transport (KV pool ``kv``) and a decode transport (``kv``), with the decode
+    agent added twice, as sessions A and B (two decode sessions, one agent)."""
+    gen = torch.Generator().manual_seed(25)
+    kv = torch.randint(
+        0, 256, (SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8, generator=gen
+    )
+    dst = torch.zeros((SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8)
+    with NixlTransport("prefill-edge") as tx, NixlTransport("decode-edge") as rx:
+        tx.register_region("kv", kv, SESSIONS_PAGE_BYTES)
+        rx.register_region("kv", dst, SESSIONS_PAGE_BYTES)
+        md = rx.metadata()
+        tx.add_peer(A, md)
+        tx.add_peer(B, md)
+        yield SessionsRig(tx, rx, kv, dst)
+
+
+def one_session_sender(mgr: KVManager, room: int, dst: list[int], **info_kw: Any) -> NixlKVSender:
+    s = NixlKVSender(mgr, room, [A], [make_transfer_info(A, dst, **info_kw)])
+    s.init(len(dst))
+    return s
+
+
+@requires_nixl
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("workers", [0, 1])
+def test_room_with_a_chunk_inside_the_decode_prefix_is_marked_prefetched(
+    sessions_rig: SessionsRig, workers: int
+) -> None:
+    """With a pool, a room whose first chunk lies wholly inside the decode prefix (nothing
+    to stage) is still marked prefetched once its other chunks are. On 3a76f2e it never
+    was (the chunk was never counted toward the room's prefetches).
+
+    Found by the audit of issue 25 (section 1, a suspicion settled by a fix, at 3a76f2e).
+    """
+    pool = sessions_rig.with_pool(2, 4)
+    with KVManager(sessions_rig.tx, sessions_rig.kv, num_workers=workers, staging_pool=pool) as mgr:
+        s = one_session_sender(mgr, 1, [0, 1, 2, 3], decode_prefix_len=2)
+        s.send([10, 11])  # all in the prefix
+        s.send([12, 13])
+        assert conclude(s, 10.0) is KVPoll.Success
+        assert 1 in mgr.staging.prefetched_rooms
+        s.clear()

@@ -1,5 +1,5 @@
 """NixlTransport with real NIXL agents: data integrity, handle guards, threads, idle CPU,
-input validation and lifecycle. Peer-failure tests live in test_peer_faults.py."""
+input validation and lifecycle. Peer-failure tests live in tests/e2e/test_peer_faults.py."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import gc
 import random
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +31,8 @@ from sender.errors import (
     classify,
 )
 from sender.transport import NixlTransport, decode_metadata
+from staging.buffers import StagingBufferPool
+from stress.harness.faults import nixl_error
 from tests.fixtures_nixl import NUM_PAGES, PAGE_BYTES, SenderPool, requires_nixl
 
 pytestmark = [pytest.mark.nixl, requires_nixl]
@@ -495,3 +499,168 @@ def test_refused_release_is_kept_and_retried_at_close(decode_peer: Any) -> None:
     assert refusing.released == []
     tr.close()
     assert refusing.released != [] and len(refusing.released) == 1  # retried once at close
+
+
+SESSIONS_PAGES = 64
+
+
+SESSIONS_PAGE_BYTES = 4096
+
+
+A, B = "decode-a", "decode-b"
+
+
+@dataclass
+class SessionsRig:
+    tx: NixlTransport
+    rx: NixlTransport
+    kv: torch.Tensor
+    dst: torch.Tensor
+
+    def with_pool(self, num_slots: int, slot_pages: int, page_bytes: int = SESSIONS_PAGE_BYTES,
+                  cls: type[StagingBufferPool] = StagingBufferPool, **kw: Any) -> Any:
+        pool = cls(num_slots, slot_pages, page_bytes, **kw)
+        self.tx.register_region("staging", pool.tensor, page_bytes)
+        return pool
+
+
+@pytest.fixture
+def sessions_rig() -> Iterator[SessionsRig]:
+    """A prefill transport (KV pool ``kv``) and a decode transport (``kv``), with the decode
+    agent added twice, as sessions A and B (two decode sessions, one agent)."""
+    gen = torch.Generator().manual_seed(25)
+    kv = torch.randint(
+        0, 256, (SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8, generator=gen
+    )
+    dst = torch.zeros((SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8)
+    with NixlTransport("prefill-edge") as tx, NixlTransport("decode-edge") as rx:
+        tx.register_region("kv", kv, SESSIONS_PAGE_BYTES)
+        rx.register_region("kv", dst, SESSIONS_PAGE_BYTES)
+        md = rx.metadata()
+        tx.add_peer(A, md)
+        tx.add_peer(B, md)
+        yield SessionsRig(tx, rx, kv, dst)
+
+
+@pytest.mark.timeout(30)
+def test_peer_disconnected_cleared_once_a_write_completes(sessions_rig: SessionsRig) -> None:
+    """A disconnect reported by NIXL (the real agent's ``send_notif`` raising NIXL's own
+    ``nixlRemoteDisconnectError`` once), then a write to the same peer completes: the peer
+    is reachable, the flag is cleared (notices to it are sent again). On 3a76f2e it stayed
+    set for as long as the session was added.
+
+    Found by the audit of issue 25 (section 1, a suspicion settled by a fix, at 3a76f2e).
+    """
+    if _nixl.bindings is None or not hasattr(_nixl.bindings, "nixlRemoteDisconnectError"):
+        pytest.skip("NIXL has no nixlRemoteDisconnectError")
+    agent = sessions_rig.tx._agent
+    real_send = agent.send_notif
+    calls = [0]
+
+    def flaky(name: Any, msg: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise nixl_error("nixlRemoteDisconnectError")
+        return real_send(name, msg)
+
+    agent.send_notif = flaky
+    try:
+        with pytest.raises(Exception, match="DISCONNECT"):
+            sessions_rig.tx.send_notif(A, b"hello")
+        assert sessions_rig.tx.peer_disconnected(A)
+        t = sessions_rig.tx.write_pages(A, [1], [1])
+        t.wait(10.0)
+        t.release()
+        assert not sessions_rig.tx.peer_disconnected(A)
+        sessions_rig.tx.send_notif(A, b"hello again")
+    finally:
+        agent.send_notif = real_send
+
+
+@pytest.mark.timeout(60)
+def test_write_pages_racing_close_raises_transport_closed(
+    sender_pool: SenderPool, decode_peer: Any
+) -> None:
+    """``close()`` running between ``write_pages``' lock-free look-ups: the write is refused
+    as a closed transport, never as a missing region or peer. The interleaving is forced: the
+    region table's ``get`` runs ``close()`` (on the writer's thread, which holds no lock
+    there) before answering. At 668dd63 this raised ``TransportParamError("no local
+    region")``.
+
+    Found beside the audit of issue 16, under load (at 668dd63).
+    """
+    tx = sender_pool.transport
+    tx.add_peer("d", decode_peer.metadata())
+
+    class ClosingDict(dict):  # type: ignore[type-arg]
+        def get(self, key: Any, default: Any = None) -> Any:
+            tx.close()
+            return super().get(key, default)
+
+    tx._regions = ClosingDict(tx._regions)
+    with pytest.raises(TransportClosedError):
+        tx.write_pages("d", [0], [0])
+    assert tx.stats().live_transfers == 0
+
+
+@pytest.mark.timeout(120)
+def test_write_pages_racing_close_only_ever_raises_transport_closed(
+    sender_pool: SenderPool, decode_peer: Any
+) -> None:
+    """The same race left to the scheduler (switch interval 1e-6, 4 writers, close at a
+    random moment, 20 rounds): every write either returns a transfer that close() releases
+    or raises ``TransportClosedError``; nothing is left live.
+
+    Found beside the audit of issue 16, under load (at 668dd63).
+    """
+    import random
+    import sys
+
+    from tests.fixtures_nixl import make_sender_pool
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    tx0 = sender_pool.transport
+    tx0.close()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(20):
+            sp = make_sender_pool(64)
+            tx = sp.transport
+            tx.add_peer("d", decode_peer.metadata())
+            wrong: list[BaseException] = []
+            got: list[Any] = []
+            start = threading.Barrier(5)
+
+            def writer(
+                tx: Any = tx,
+                got: list[Any] = got,
+                wrong: list[BaseException] = wrong,
+                start: threading.Barrier = start,
+            ) -> None:
+                start.wait(10)
+                for i in range(200):
+                    try:
+                        got.append(tx.write_pages("d", [i % 64], [i % 64]))
+                    except TransportClosedError:
+                        return
+                    except BaseException as exc:
+                        wrong.append(exc)
+                        return
+
+            threads = [threading.Thread(target=writer, daemon=True) for _ in range(4)]
+            for t in threads:
+                t.start()
+            start.wait(10)
+            time.sleep(rng.random() * 0.002)
+            tx.close()
+            for t in threads:
+                t.join(30)
+            assert not any(t.is_alive() for t in threads)
+            assert wrong == [], f"seed {seed}: {wrong[:3]}"
+            assert tx.stats().live_transfers == 0
+            assert all(x.released for x in got)
+    finally:
+        sys.setswitchinterval(old)

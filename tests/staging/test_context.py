@@ -87,13 +87,6 @@ def test_mark_prefetched(ctx: StagingContext) -> None:
     assert ctx.prefetched_rooms == frozenset({3})
 
 
-def test_writes_to_unopened_room_are_refused_and_counted(ctx: StagingContext) -> None:
-    assert ctx.request_prefetch(9, 0, "d0") is False
-    assert ctx.cancel_prefetch(9, 0, "d0") is False
-    assert ctx.mark_prefetched(9) is False
-    assert ctx.open_rooms == frozenset()
-    assert ctx.snapshot().prefetch_requested == frozenset()
-    assert ctx.stats().refused_late_writes == 3
 
 
 def test_purge_removes_both_collections_atomically(ctx: StagingContext) -> None:
@@ -123,33 +116,8 @@ def test_purge_is_idempotent(ctx: StagingContext) -> None:
     assert ctx.stats().purges == 1
 
 
-def test_late_writer_cannot_resurrect_purged_room(ctx: StagingContext) -> None:
-    h = ctx.open_room(5)
-    ctx.request_prefetch(h, 0, "d0")
-    ctx.purge_room(5)
-    assert ctx.request_prefetch(h, 1, "d0") is False
-    assert ctx.request_prefetch(5, 1, "d0") is False
-    assert ctx.mark_prefetched(h) is False
-    assert not ctx.is_open(5)
-    assert ctx.snapshot() == ctx.snapshot().__class__(frozenset(), frozenset(), frozenset())
-    assert ctx.stats().refused_late_writes == 3
 
 
-def test_reopen_gets_new_generation_and_stale_handle_is_refused(ctx: StagingContext) -> None:
-    old = ctx.open_room(5)
-    ctx.purge_room(old)
-    new = ctx.open_room(5)
-    assert new.generation != old.generation
-    assert ctx.is_open(new) and not ctx.is_open(old)
-    assert ctx.request_prefetch(old, 0, "d0") is False
-    assert ctx.mark_prefetched(old) is False
-    assert not ctx.is_requested(new, 0, "d0")
-    assert not ctx.is_prefetched(new)
-    # A stale handle never purges the newer generation.
-    assert ctx.purge_room(old).was_open is False
-    assert ctx.is_open(new)
-    assert ctx.request_prefetch(new, 0, "d0") is True
-    assert ctx.purge_room(new).requests == {(0, "d0")}
 
 
 def test_purge_session_drops_only_that_session(ctx: StagingContext) -> None:

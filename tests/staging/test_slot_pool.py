@@ -5,10 +5,13 @@ retired lease is never reused before its release while a spare stands in for it
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
 from staging.buffers import PoolExhaustedError, StagingBufferPool
+from tests.interleave import explore
+from tests.sender.test_dpor_clear import PAGE_BYTES as MEM_PAGE_BYTES
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -75,3 +78,49 @@ def test_spare_slots_cost_memory_only_in_the_one_tensor() -> None:
     assert pool.num_slots == 2
     with pytest.raises(ValueError):
         StagingBufferPool(2, 1, 8, spare_slots=-1)
+
+
+BLOCK_S = 0.05
+
+
+def _ran(result: Any, label: str) -> None:
+    print(f"{label}: {result.schedules} schedules, {result.blocked} blocked")
+    assert result.schedules > 1, "the explorer ran no preempted schedule"
+    assert not result.failures, result.failures[:3]
+
+
+class StaleReleaseVsAcquire:
+    """One slot. Holder A leases it and releases it twice (the second release is stale);
+    B acquires meanwhile and keeps what it got."""
+
+    def __init__(self) -> None:
+        self.pool = StagingBufferPool(1, 1, MEM_PAGE_BYTES)
+        self.b: Any = None
+
+    def holder(self) -> None:
+        slot = self.pool.try_acquire("A")
+        if slot is None:
+            return
+        self.pool.release(slot)
+        self.pool.release(slot)  # stale: the lease was returned already
+
+    def acquirer(self) -> None:
+        self.b = self.pool.try_acquire("B")
+
+    def check(self) -> str | None:
+        if self.b is None:
+            return None
+        held = self.pool.owner_slots("B")
+        st = self.pool.stats()
+        if held != 1 or st.in_use != 1 or st.free != 0:
+            return f"B's slot was freed by A's stale release: owner_slots(B)={held}, {st}"
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_a_stale_release_never_frees_a_slot_someone_else_holds() -> None:
+    """Found by issue 23, section 3 (planted bugs an outside set got past)."""
+    result = explore(StaleReleaseVsAcquire, StaleReleaseVsAcquire.holder,
+                     StaleReleaseVsAcquire.acquirer, StaleReleaseVsAcquire.check,
+                     block_s=BLOCK_S)  # fmt: skip
+    _ran(result, "pool stale release vs acquire")
