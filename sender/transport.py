@@ -1109,7 +1109,7 @@ class NixlTransport:
         :class:`TransferTimeoutError`) still sends its notification when it is released, or
         its peer removed, after the data landed. A per-transfer notification means "these
         bytes landed", never "the room succeeded" (docs/PROTOCOL.md;
-        tests/test_receiver_lifetime.py pins both behaviours).
+        tests/sender/test_receiver_lifetime.py pins both behaviours).
 
         Thread-safety: safe from any thread, concurrently with everything else; a concurrent
         ``remove_peer``/``close`` either sees and releases this transfer or makes this call

@@ -19,7 +19,7 @@ confine_to_loopback()
 # NIXL-specific fixtures (real agents, peer processes) live in their own module.
 # tests.slow_report: at the end of a run, a warning line per test not marked `slow` whose call
 # took SLOW_THRESHOLD_S (15 s) or more, and how many `slow` tests were deselected (run them
-# with `make test-slow`). pytester: tests/test_slow_report.py runs small suites in-process.
+# with `make test-slow`). pytester: tests/harness/test_slow_report.py runs small suites in-process.
 pytest_plugins = ["tests.fixtures_nixl", "tests.slow_report", "pytester"]
 
 
@@ -37,7 +37,7 @@ def fast_switch() -> Iterator[None]:
 @pytest.fixture
 def frontrun_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Let ``frontrun.explore`` run inside plain pytest: frontrun skips unless it believes
-    it runs under its CLI (``FRONTRUN_ACTIVE=1``); see tests/test_dpor_staging.py."""
+    it runs under its CLI (``FRONTRUN_ACTIVE=1``); see tests/staging/test_dpor_room_lifecycle.py."""
     monkeypatch.setenv("FRONTRUN_ACTIVE", "1")
     yield
 

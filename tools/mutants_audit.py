@@ -1,7 +1,7 @@
 """Mutants of the decode page audit and of stamped source pages (issue 23, section 1).
 
 A planted real overwrite must stay caught, and a stamp must name one write: each mutant here
-breaks one of those, and ``tests/test_page_attribution.py`` must kill it.
+breaks one of those, and ``tests/harness/test_page_attribution.py`` must kill it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ allowed = {u.digest for u in history}
             "room's bytes or a later room's' (a stale write landing after the page was handed "
             "on and verified goes unreported)"
         ),
-        tests=("tests/test_page_attribution.py",),
+        tests=("tests/harness/test_page_attribution.py",),
     ),
     Mutant(
         id="stamps-src-back-early",
@@ -43,6 +43,6 @@ if self.sources is not None and src is not None:
             "it, so a stamp no longer names one write (its late write carries another room's "
             "stamp to its own page: the audit reports a misdirected write)"
         ),
-        tests=("tests/test_page_attribution.py",),
+        tests=("tests/harness/test_page_attribution.py",),
     ),
 )

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from tools.mutants_spec import Mutant
+from tools.mutants_spec import ISSUE_9_TESTS, ISSUE_16_TESTS, Mutant
 
 AREA_CHECKS: dict[str, tuple[str, ...]] = {
     "sender/": (
-        "tests/test_sender_properties.py",
-        "tests/test_load_defects.py",
-        "tests/test_dpor_sender_fence.py",
-        "tests/test_dpor_sender_purge.py",
-        "tests/test_dpor_transport.py",
+        "tests/sender/test_properties.py",
+        *ISSUE_16_TESTS,
+        "tests/sender/test_dpor_post_fence.py",
+        "tests/sender/test_dpor_purge.py",
+        "tests/sender/test_dpor_transport.py",
     ),
-    "staging/compat.py": ("tests/test_dpor_compat.py", "tests/test_compat_leniency.py"),
-    "staging/": ("tests/test_locks.py", "tests/test_linearizability.py"),
+    "staging/compat.py": (
+        "tests/staging/test_dpor_compat.py",
+        "tests/staging/test_compat_leniency.py",
+    ),
+    "staging/": ("tests/staging/test_locks.py", "tests/staging/test_linearizability.py"),
 }
 """The checks of each area (a path prefix; the first that matches a mutant's file)."""
 
@@ -53,9 +56,9 @@ return threading.Lock()
             "inline paths alike; debug-mode gates unaffected)"
         ),
         tests=(
-            "tests/test_dpor_sender_fence.py",
-            "tests/test_sender.py",
-            "tests/test_dpor_sender_purge.py",
+            "tests/sender/test_dpor_post_fence.py",
+            "tests/sender/test_sender.py",
+            "tests/sender/test_dpor_purge.py",
         ),
         stress=("sender-audit",),
     ),
@@ -75,9 +78,9 @@ return True, (chunk, None, False, False)
             "bytes land; the later post's transfer is never released)"
         ),
         tests=(
-            "tests/test_dpor_sender_progress.py",
-            "tests/test_sender.py",
-            "tests/test_sender_properties.py",
+            "tests/sender/test_dpor_progress.py",
+            "tests/sender/test_sender.py",
+            "tests/sender/test_properties.py",
         ),
         stress=("sender-audit",),
     ),
@@ -97,9 +100,9 @@ if room not in self.rooms:  # another purge won
             "(clear() of an old handle purges a newer opening)"
         ),
         tests=(
-            "tests/test_dpor_sender_purge.py",
-            "tests/test_sender.py",
-            "tests/test_audit_regressions.py",
+            "tests/sender/test_dpor_purge.py",
+            "tests/sender/test_sender.py",
+            *ISSUE_9_TESTS,
         ),
         stress=("sender-audit",),
     ),
@@ -123,9 +126,9 @@ return 0 if not chunks else (enqueue(chunks), len(chunks))[1]
             "never ends)"
         ),
         tests=(
-            "tests/test_sender.py",
-            "tests/test_dpor_sender.py",
-            "tests/test_sender_properties.py",
+            "tests/sender/test_sender.py",
+            "tests/sender/test_dpor_clear.py",
+            "tests/sender/test_properties.py",
         ),
         stress=("sender-audit",),
     ),
@@ -144,9 +147,9 @@ return not self.ended and self._claim.acquire(False) is not None
             "/ 'Two threads calling inline progress() never count a chunk twice'"
         ),
         tests=(
-            "tests/test_dpor_sender_progress.py",
-            "tests/test_sender_properties.py",
-            "tests/test_sender.py",
+            "tests/sender/test_dpor_progress.py",
+            "tests/sender/test_properties.py",
+            "tests/sender/test_sender.py",
         ),
         stress=("sender-audit",),
     ),
@@ -166,9 +169,9 @@ left = len(pending)
             "draining(handle) > 0)"
         ),
         tests=(
-            "tests/test_sender.py",
-            "tests/test_sender_properties.py",
-            "tests/test_audit_regressions.py",
+            "tests/sender/test_sender.py",
+            "tests/sender/test_properties.py",
+            *ISSUE_9_TESTS,
         ),
         stress=("sender-audit",),
     ),
@@ -187,9 +190,9 @@ settle_until = min(deadline, time.monotonic() + _CLAIMED_END_GRACE_S)
             "is queued before the notifier stops' (the notice is withheld instead)"
         ),
         tests=(
-            "tests/test_room_notices.py",
-            "tests/test_sender.py",
-            "tests/test_audit_regressions.py",
+            "tests/sender/test_room_notices.py",
+            "tests/sender/test_sender.py",
+            *ISSUE_9_TESTS,
         ),
         stress=("sender-audit",),
     ),
@@ -271,9 +274,9 @@ with entry.gate.write_untimed(), self.lock.write_untimed():
             "the room can land any more'"
         ),
         tests=(
-            "tests/test_room_notices.py",
-            "tests/test_dpor_sender_purge.py",
-            "tests/test_sender.py",
+            "tests/sender/test_room_notices.py",
+            "tests/sender/test_dpor_purge.py",
+            "tests/sender/test_sender.py",
         ),
         stress=("sender-audit",),
     ),
@@ -296,8 +299,8 @@ elif drained and left <= 1:
             "write may still land)"
         ),
         tests=(
-            "tests/test_room_notices.py",
-            "tests/test_sender.py",
+            "tests/sender/test_room_notices.py",
+            "tests/sender/test_sender.py",
         ),
         stress=("sender-audit",),
     ),
@@ -347,9 +350,9 @@ with self._lock:
             "TransferReleasedError ... counted in chunks_released_by_transport'"
         ),
         tests=(
-            "tests/test_transport.py",
-            "tests/test_dpor_transport.py",
-            "tests/test_data_path.py",
+            "tests/sender/test_transport.py",
+            "tests/sender/test_dpor_transport.py",
+            "tests/sender/test_data_path.py",
         ),
         stress=("sender-audit",),
     ),
@@ -369,8 +372,8 @@ return peer is None or peer.disconnected
             "stats().notices_failed' (skipped_dead only for a reported disconnect)"
         ),
         tests=(
-            "tests/test_room_notices.py",
-            "tests/test_transport.py",
+            "tests/sender/test_room_notices.py",
+            "tests/sender/test_transport.py",
         ),
     ),
     Mutant(
@@ -388,9 +391,9 @@ if np.count_nonzero(pages[1:] >= pages[:-1]) == n - 1:
             "unique' and write_pages 'duplicate destination pages' -> TransportParamError"
         ),
         tests=(
-            "tests/test_data_path.py",
-            "tests/test_transport.py",
-            "tests/test_sender_bad_input.py",
+            "tests/sender/test_data_path.py",
+            "tests/sender/test_transport.py",
+            "tests/sender/test_bad_input.py",
         ),
     ),
     Mutant(
@@ -407,9 +410,9 @@ if np.count_nonzero(pages[1:] >= pages[:-1]) == n - 1:
             "and stays in draining, until the transfer settles'"
         ),
         tests=(
-            "tests/test_peer_faults.py",
-            "tests/test_sender_properties.py",
-            "tests/test_transport.py",
+            "tests/e2e/test_peer_faults.py",
+            "tests/sender/test_properties.py",
+            "tests/sender/test_transport.py",
         ),
         stress=("sender-audit",),
     ),
@@ -429,9 +432,9 @@ self._discard(item)
             "(one check-and-remove). Raises KeyError: value was not there'"
         ),
         tests=(
-            "tests/test_compat.py",
-            "tests/test_dpor_compat.py",
-            "tests/test_compat_leniency.py",
+            "tests/staging/test_compat.py",
+            "tests/staging/test_dpor_compat.py",
+            "tests/staging/test_compat_leniency.py",
         ),
         stress=("staging-race",),
     ),
@@ -465,10 +468,11 @@ finally:
             "stats().refused_late_writes -- when the room is not open'"
         ),
         tests=(
-            "tests/test_staging_races.py",
-            "tests/test_linearizability.py",
-            "tests/test_dpor_staging.py",
-            "tests/test_staging_contract.py",
+            "tests/staging/test_races.py",
+            "tests/staging/test_linearizability.py",
+            "tests/staging/test_dpor_room_lifecycle.py",
+            "tests/staging/test_context.py",
+            "tests/staging/test_late_writers.py",
         ),
         stress=("staging-race",),
     ),
@@ -488,9 +492,9 @@ self._sweep_claim.acquire(False)
             "never die'"
         ),
         tests=(
-            "tests/test_sender_properties.py",
-            "tests/test_peer_faults.py",
-            "tests/test_sender.py",
+            "tests/sender/test_properties.py",
+            "tests/e2e/test_peer_faults.py",
+            "tests/sender/test_sender.py",
         ),
         stress=("sender-audit",),
     ),

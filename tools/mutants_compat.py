@@ -1,6 +1,6 @@
 """Mutants of the compat views (``staging/compat.py``): races that a concurrency check of
-the compat contract must kill (``tests/test_dpor_compat.py``, the threaded upstream-shaped
-runs of ``tests/test_compat.py``).
+the compat contract must kill (``tests/staging/test_dpor_compat.py``, the threaded upstream-shaped
+runs of ``tests/staging/test_compat.py``).
 
 Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
 :mod:`tools.mutant_sites`. A missing or duplicated tag makes it stale.
@@ -12,9 +12,9 @@ from tools.mutants_spec import Mutant
 
 COMPAT = "staging/compat.py"
 COMPAT_TESTS = (
-    "tests/test_dpor_compat.py",
-    "tests/test_compat.py",
-    "tests/test_compat_leniency.py",
+    "tests/staging/test_dpor_compat.py",
+    "tests/staging/test_compat.py",
+    "tests/staging/test_compat_leniency.py",
 )
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -42,7 +42,8 @@ with self._lock.write_untimed():
         kind="race",
         description="purge_room purges under one acquisition and tombstones under a second: "
         "a late add between them resurrects the room (DPOR purge-vs-late-add)",
-        tests=COMPAT_TESTS,
+        tests=(*COMPAT_TESTS, "tests/staging/test_races.py"),
+        stress=("staging-race",),
     ),
     Mutant(
         id="compat-test-and-add-check-then-act",
@@ -74,7 +75,11 @@ for item in items:  # MUTANT: one lock acquisition per element
     ),
 )
 
-SENTENCE_TESTS = ("tests/test_compat_sentences.py", "tests/test_compat.py")
+SENTENCE_TESTS = (
+    "tests/staging/test_compat_views.py",
+    "tests/staging/test_late_writers.py",
+    "tests/staging/test_compat.py",
+)
 """The checks of issue 23's compat sentences (and the compat unit tests)."""
 
 MUTANTS += (

@@ -4,12 +4,12 @@ a kept write's room-only failure, a purge's counters, held notices per opening, 
 status, and the compat views' logging and ``&=``. Each is planted somewhere else than the line
 the sentence's check was first expected to watch (an error class, the stats reader, the
 notifier's table, the compat core's batched write); the checks are in
-``tests/test_contract_sentences_sender.py`` and ``tests/test_contract_sentences_compat.py``
+the files of the behaviours they check (``_SENDER_CHECKS``, ``COMPAT``)
 (docs/THREADING.md, the guarantee table).
 
 Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
 :mod:`tools.mutant_sites`. A missing or duplicated tag makes it stale (``make mutants`` refuses
-to run it; ``tests/test_mutants_current.py`` says so at test time). The sender's chunk
+to run it; ``tests/harness/test_mutants_current.py`` says so at test time). The sender's chunk
 pipeline and room table are being redesigned: the checks use only public behaviour and stay
 valid; a mutant of ``sender/pipeline.py``, ``sender/rooms.py`` or ``sender/manager.py`` whose
 site goes away is to be re-planted in the new code, with the same description.
@@ -19,12 +19,45 @@ from __future__ import annotations
 
 from tools.mutants_spec import Mutant
 
-SENDER = ("tests/test_contract_sentences_sender.py",)
-COMPAT = ("tests/test_contract_sentences_compat.py",)
+_SENDER_CHECKS = {
+    "test_a_inline_slot_wait_checks_for_hung_holders_before_it_waits": (
+        "tests/sender/test_draining.py::"
+        "test_inline_slot_wait_checks_for_hung_holders_before_it_waits"
+    ),
+    "test_b_a_write_kept_at_remove_peer_fails_its_room_not_its_session": (
+        "tests/sender/test_draining.py::"
+        "test_a_write_kept_at_remove_peer_fails_its_room_not_its_session"
+    ),
+    "test_c_no_scrape_between_a_purge_and_its_count": (
+        "tests/sender/test_clear.py::"
+        "test_no_scrape_between_a_purge_and_its_count"
+    ),
+    "test_c_two_concurrent_purges_lose_no_count": (
+        "tests/sender/test_clear.py::"
+        "test_two_concurrent_purges_lose_no_count"
+    ),
+    "test_d_a_notice_is_held_and_released_per_opening": (
+        "tests/sender/test_room_notices.py::"
+        "test_a_notice_is_held_and_released_per_opening"
+    ),
+    "test_e_a_purge_reports_counts_and_tells_the_status_of_its_own_section": (
+        "tests/sender/test_clear.py::"
+        "test_a_purge_reports_counts_and_tells_the_status_of_its_own_section"
+    ),
+}
+"""Each sender sentence's check, by its first name, where it lives now (tests by contract)."""
+TOMBSTONE_LOGGED = (
+    "tests/staging/test_late_writers.py::"
+    "test_a_tombstone_refusal_is_logged_after_the_lock_is_released"
+)
+COMPAT = (
+    TOMBSTONE_LOGGED,
+    "tests/staging/test_compat_views.py::test_intersection_is_decided_on_the_state_inside_the_lock",
+)
 
 
 def _sender(test: str) -> tuple[str, ...]:
-    return (f"{SENDER[0]}::{test}",)
+    return (_SENDER_CHECKS[test],)
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -312,7 +345,7 @@ with self._lock.write():
         "'refusals are logged after the lock is released'; 'no logging under a lock')",
         # Three of the check's cases: each one the plant breaks is a deadlock, waited for.
         tests=tuple(
-            f"{COMPAT[0]}::test_f_a_tombstone_refusal_is_logged_after_the_lock_is_released[{case}]"
+            f"{TOMBSTONE_LOGGED}[{case}]"
             for case in (
                 "keys.update-mutex",
                 "keys.^=-rw",
@@ -370,7 +403,7 @@ if keep is not None:  # MUTANT: what to discard computed from a snapshot before 
         kind="race",
         description="the outside study's version: intersection_update computes its discard "
         "list from a snapshot taken before the lock; it passes the in-place operator cases "
-        "of tests/test_compat_sentences.py, not an element outside `other` added while "
+        "of tests/staging/test_compat_views.py, not an element outside `other` added while "
         "another is discarded and re-added (violates 'intersection_update / &= decide on the "
         "view's state inside the lock')",
         tests=COMPAT,

@@ -1,5 +1,5 @@
 """Mutants of the decode staging context (``staging/decode_compat.py``): races that the
-one-instant checks of ``tests/test_decode_compat.py`` must kill (single-preemption
+one-instant checks of ``tests/staging/test_decode_compat.py`` must kill (single-preemption
 schedules, ``tests/interleave.py``).
 
 Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
@@ -11,7 +11,7 @@ from __future__ import annotations
 from tools.mutants_spec import Mutant
 
 DECODE = "staging/decode_compat.py"
-DECODE_TESTS = ("tests/test_decode_compat.py",)
+DECODE_TESTS = ("tests/staging/test_decode_compat.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(

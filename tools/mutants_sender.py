@@ -9,21 +9,20 @@ Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
 
 from __future__ import annotations
 
-from tools.mutants_spec import Mutant
+from tools.mutants_spec import ISSUE_9_TESTS, ISSUE_16_TESTS, Mutant
 
 MANAGER = "sender/manager.py"
 ROOMS = "sender/rooms.py"
 PIPELINE = "sender/pipeline.py"
-REGRESSIONS = "tests/test_audit_regressions.py"
-DPOR = "tests/test_dpor_sender.py"
-DPOR_FENCE = "tests/test_dpor_sender_fence.py"
-DPOR_PROGRESS = "tests/test_dpor_sender_progress.py"
-DPOR_PURGE = "tests/test_dpor_sender_purge.py"
-SENDER_TESTS = ("tests/test_sender.py", REGRESSIONS)
+REGRESSIONS = ISSUE_9_TESTS
+DPOR = "tests/sender/test_dpor_clear.py"
+DPOR_FENCE = "tests/sender/test_dpor_post_fence.py"
+DPOR_PROGRESS = "tests/sender/test_dpor_progress.py"
+DPOR_PURGE = "tests/sender/test_dpor_purge.py"
+SENDER_TESTS = ("tests/sender/test_sender.py", *REGRESSIONS)
 SENDER_STRESS = ("sender-audit",)
-PROPERTIES = "tests/test_sender_properties.py"
-LOAD_DEFECTS = "tests/test_load_defects.py"
-EDGE = "tests/test_edge_defects.py"
+PROPERTIES = "tests/sender/test_properties.py"
+LOAD_DEFECTS = ISSUE_16_TESTS
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -37,8 +36,8 @@ pass  # MUTANT: the failed session's staging keys are left behind
         description="KVManager.fail_session does not call staging.purge_session: the dead "
         "session's staging keys stay in every room",
         tests=(
-            "tests/test_staging_fail_session.py",
-            "tests/test_sender.py::test_remote_disconnect_fails_every_room_of_that_session",
+            "tests/sender/test_fail_session.py",
+            "tests/sender/test_sender.py::test_remote_disconnect_fails_every_room_of_that_session",
         ),
     ),
     Mutant(
@@ -171,7 +170,7 @@ with self._lock.write():  # MUTANT: a purge may time out half-way
         kind="race",
         description="defect 5: StagingContext.purge_room honours lock_timeout: clear() raises "
         "LockTimeoutError and leaves the room half-purged under a long reader",
-        tests=(REGRESSIONS, "tests/test_sender.py"),
+        tests=(*REGRESSIONS, "tests/sender/test_sender.py"),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -330,7 +329,7 @@ if True:  # MUTANT: a hung chunk ends at its first sweep, settled or not
         description="a hung chunk is ended (handle released, slot returned) at the first sweep "
         "although NIXL still has its write in progress: its late bytes may land in pages or a "
         "slot given to another room",
-        tests=(PROPERTIES, LOAD_DEFECTS),
+        tests=(PROPERTIES, *LOAD_DEFECTS),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -344,7 +343,7 @@ if not chunk.claim() and not end[2]:  # MUTANT: close() abandons claimed chunks 
         kind="race",
         description="close()'s abandon path ends a chunk another thread already claimed (its "
         "poll saw the end first): the transfer is released twice and the chunk counted twice",
-        tests=(PROPERTIES, LOAD_DEFECTS, DPOR),
+        tests=(PROPERTIES, *LOAD_DEFECTS, DPOR),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -363,7 +362,7 @@ elif drained:  # MUTANT: the notice goes when the first draining chunk ends
         description="a purged opening's room notice is queued when its first draining chunk "
         "ends, not its last: the decode side is told its pages are free while a write of the "
         "room may still land in them",
-        tests=("tests/test_room_notices.py", PROPERTIES),
+        tests=("tests/sender/test_room_notices.py", PROPERTIES),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -381,7 +380,7 @@ with entry.gate.write_untimed():
         kind="race",
         description="the batched inline send registers its chunks before taking the room's "
         "post gate: a purge between registration and post returns, then the writes are posted",
-        tests=(DPOR_FENCE, "tests/test_sender.py"),
+        tests=(DPOR_FENCE, "tests/sender/test_sender.py"),
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -394,7 +393,7 @@ return min(values), max(values), False  # MUTANT: short lists never repeat
         kind="sequential",
         description="the Python path of the page scan (up to 32 pages) never reports a repeat: "
         "repeated destination pages of short lists pass make_transfer_info and CheckedPages",
-        tests=(PROPERTIES, "tests/test_load_defects.py", "tests/test_data_path.py"),
+        tests=(PROPERTIES, *LOAD_DEFECTS, "tests/sender/test_data_path.py"),
     ),
     Mutant(
         id="sweep-only-when-idle",
@@ -407,7 +406,7 @@ if isinstance(unit, _Idle) and pause >= HUNG_SWEEP_S:  # MUTANT: idle only
         kind="race",
         description="a worker sweeps hung chunks only when its queue stays empty for 50 ms "
         "(the audited shape): under steady traffic a settled hung chunk keeps its slot",
-        tests=(LOAD_DEFECTS,),
+        tests=LOAD_DEFECTS,
         stress=SENDER_STRESS,
     ),
     Mutant(
@@ -425,7 +424,7 @@ if False:  # MUTANT: checked page lists are trusted against any region
         kind="sequential",
         description="write_pages trusts CheckedPages without comparing their bound with the "
         "regions: a checked list built for a larger pool reaches NIXL",
-        tests=("tests/test_data_path.py",),
+        tests=("tests/sender/test_data_path.py",),
     ),
     Mutant(
         id="checked-slice-drops-bound",
@@ -437,7 +436,7 @@ out._indices, out._max, out._unique = view, 0, self._unique  # MUTANT: bound los
         kind="sequential",
         description="a CheckedPages slice forgets its parent's bound: out-of-range pages of "
         "a slice pass the transport's O(1) check",
-        tests=("tests/test_data_path.py",),
+        tests=("tests/sender/test_data_path.py",),
     ),
     Mutant(
         id="e25-inline-slot-wait-only-sweeps",
@@ -449,7 +448,7 @@ self.maybe_sweep()  # MUTANT: nobody ends the slot holders
         kind="sequential",
         description="issue 25 defect 1: an inline send waiting for a slot only sweeps hung "
         "chunks; its own completed writes hold the slots until slot_timeout_s fails the room",
-        tests=(f"{EDGE}::test_d1_inline_scheduler_step_with_fewer_slots_than_chunks",),
+        tests=("tests/sender/test_draining.py::test_inline_scheduler_step_with_fewer_slots_than_chunks",),
     ),
     Mutant(
         id="e25-skip-without-event",
@@ -467,8 +466,8 @@ if False:  # MUTANT: a skipped chunk is counted but never told
         description="issue 25 defect 3: skipped chunks reach stats() but not the listener: "
         "the chunk histograms no longer add up to chunks_ended_total",
         tests=(
-            f"{EDGE}::test_d3_listener_sees_skipped_and_slot_failed_chunks",
-            f"{EDGE}::test_listener_counts_equal_stats_with_clears_racing_sends",
+            "tests/sender/test_chunks_end_once.py::test_listener_sees_skipped_and_slot_failed_chunks",
+            "tests/sender/test_chunks_end_once.py::test_listener_counts_equal_stats_with_clears_racing_sends",
         ),
     ),
     Mutant(
@@ -504,7 +503,7 @@ if first:  # MUTANT: a room failed after Success is counted by code again
         kind="sequential",
         description="issue 25 defect 4: abort() after Success counts the room in "
         "rooms_failed (and by code): a room concludes twice",
-        tests=(f"{EDGE}::test_d4_abort_after_success_counts_no_failure_and_sends_no_notice",),
+        tests=("tests/sender/test_failure_reporting.py::test_abort_after_success_counts_no_failure_and_sends_no_notice",),
     ),
     Mutant(
         id="e25-close-joins-itself",
@@ -517,7 +516,7 @@ if True:  # MUTANT: close() from a worker joins the current thread
         kind="sequential",
         description="issue 25 defect 6: close() from a listener callback on a worker raises "
         "'cannot join current thread' half-way and leaves the notifier running",
-        tests=(f"{EDGE}::test_d6_close_from_a_listener_callback_on_a_worker",),
+        tests=("tests/sender/test_close.py::test_close_from_a_listener_callback_on_a_worker",),
     ),
     Mutant(
         id="e25-close-does-not-wake",
@@ -531,7 +530,7 @@ return self._queue.get_nowait()
         description="issue 25 suspicion: a worker's long pause between polls is a sleep, not a "
         "wait on its queue: "
         "a poll_interval_s longer than its join makes close() raise",
-        tests=(f"{EDGE}::test_s_long_poll_interval_does_not_fail_close",),
+        tests=("tests/sender/test_close.py::test_long_poll_interval_does_not_fail_close",),
     ),
     Mutant(
         id="e25-unposted-failure-without-event",
@@ -548,8 +547,8 @@ if False:  # MUTANT: a chunk failing before its post is never told
         description="issue 25 defect 3: a chunk that fails before its post (no staging slot) "
         "reaches stats() but not the listener",
         tests=(
-            f"{EDGE}::test_d3_listener_sees_skipped_and_slot_failed_chunks",
-            f"{EDGE}::test_listener_counts_equal_stats_with_clears_racing_sends",
+            "tests/sender/test_chunks_end_once.py::test_listener_sees_skipped_and_slot_failed_chunks",
+            "tests/sender/test_chunks_end_once.py::test_listener_counts_equal_stats_with_clears_racing_sends",
         ),
     ),
 )

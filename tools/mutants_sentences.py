@@ -2,8 +2,8 @@
 section 3): the notifier, the staging pool's leases, the failure records, inline progress
 and the listeners' fan-out. The compat views' sentences are in ``tools/mutants_compat.py``,
 the decode peer's below. Each is planted somewhere else than the line its check was first
-expected to watch; the checks are in ``tests/test_sender_sentences.py`` and
-``tests/test_peer_sentences.py`` (docs/THREADING.md, the guarantee table).
+expected to watch; the checks are in the files of the behaviours they check (``SENTENCES``) and
+``tests/harness/test_decode_peer.py`` (docs/THREADING.md, the guarantee table).
 
 Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
 :mod:`tools.mutant_sites`. A missing or duplicated tag makes it stale.
@@ -13,10 +13,18 @@ from __future__ import annotations
 
 from tools.mutants_spec import Mutant
 
-SENTENCES = ("tests/test_sender_sentences.py",)
-PEER_SENTENCES = ("tests/test_peer_sentences.py",)
-REMOVED = "tests/test_removed_peer_writes.py"
-ISOLATION = "tests/test_peer_isolation.py"
+SENTENCES = (
+    "tests/sender/test_room_notices.py::test_a_queued_notice_and_its_counters_change_together",
+    "tests/sender/test_room_notices.py::test_pending_notices_include_those_skipped_to_dead_peers",
+    "tests/sender/test_room_notices.py::test_close_returns_while_a_notice_send_hangs",
+    "tests/staging/test_slot_pool.py::test_a_stale_release_never_frees_a_slot_someone_else_holds",
+    "tests/sender/test_failure_reporting.py::test_a_failure_record_is_popped_for_its_opening",
+    "tests/sender/test_draining.py::test_progress_ends_a_purged_rooms_draining_chunk",
+    "tests/sender/test_failure_reporting.py::test_fanout_survives_a_listener_that_cannot_be_printed",
+)
+PEER_SENTENCES = ("tests/harness/test_decode_peer.py",)
+REMOVED = "tests/sender/test_removed_peers.py"
+ISOLATION = "tests/sender/test_peer_isolation.py"
 NOTIFIER = "sender/notifier.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -35,7 +43,7 @@ if parked_at is None:
         "slot; a chunk that began waiting before the last holder hung waits out "
         "slot_timeout_s (violates 'a chunk waiting for a slot gives up as soon as every slot "
         "is held by a hung chunk')",
-        tests=("tests/test_sender_properties.py::"
+        tests=("tests/sender/test_properties.py::"
                "test_a_slot_wait_gives_up_at_once_when_only_hung_chunks_hold_the_slots",),
     ),
     Mutant(
@@ -50,7 +58,7 @@ return [c for c in self.hung.values() if c.transfer is None]  # MUTANT
         "no hung holder and waits out slot_timeout_s (and the sweep never ends a settled hung "
         "chunk) (violates 'a chunk waiting for a slot gives up as soon as every slot is held "
         "by a hung chunk')",
-        tests=("tests/test_sender_properties.py::"
+        tests=("tests/sender/test_properties.py::"
                "test_a_slot_wait_gives_up_at_once_when_only_hung_chunks_hold_the_slots",),
     ),
     Mutant(
@@ -287,7 +295,7 @@ if isinstance(exc, TransferTimeoutError):  # MUTANT: a kept write's failure ends
         "when its peer is removed keeps its opening draining until NIXL settles it')",
         tests=(REMOVED,),
     ),
-    # Peer isolation (THREADING.md, "Peer isolation"; tests/test_peer_isolation.py).
+    # Peer isolation (THREADING.md, "Peer isolation"; tests/sender/test_peer_isolation.py).
     Mutant(
         id="worker-waits-on-its-chunks",
         file="sender/pipeline.py",

@@ -33,7 +33,7 @@ stale handles, closed rooms). ``sequential``: a plain logic bug, visible without
 NOT_CONCURRENCY_CHECKS: tuple[str, ...] = (
     # Counts lock acquisitions and contention: its threads only make contention to count;
     # it judges no interleaving's outcome (a "lock counter" kill is not a concurrency kill).
-    "tests/test_locks.py::test_stats_count_acquisitions_and_contention*",
+    "tests/staging/test_locks.py::test_stats_count_acquisitions_and_contention*",
 )
 """``fnmatch`` patterns of pytest node ids that start threads (or lower the switch interval)
 without checking what an interleaving did: never classified as concurrency checks."""
@@ -86,3 +86,37 @@ class Mutant:
         """The dotted module name of ``file`` (``staging/context.py`` -> ``staging.context``)."""
         path = self.file.removesuffix(".py")
         return path.replace("/", ".").removesuffix(".__init__")
+
+
+# The tests of an audit once lived in one file each; they now live in the files of the behaviour
+# they check (tests by contract). A mutant that named such a file runs the same tests.
+ISSUE_9_TESTS: tuple[str, ...] = (
+    "tests/sender/test_post_fence.py::test_cleared_room_never_writes_pages_given_to_another_room",
+    "tests/sender/test_chunks_end_once.py::test_two_inline_progress_calls_never_count_a_chunk_twice",
+    "tests/sender/test_failure_reporting.py::test_transfer_released_by_transport_fails_room_within_deadline",
+    "tests/sender/test_workers_never_die.py::test_worker_survives_fail_session_under_lock_timeout_and_long_reader",
+    "tests/sender/test_workers_never_die.py::test_worker_survives_any_error_while_handling_a_transport_error",
+    "tests/sender/test_clear.py::test_clear_never_raises_and_purges_all_under_lock_timeout",
+    "tests/sender/test_failure_reporting.py::test_failure_exception_never_raises_another_openings_exception",
+    "tests/sender/test_close.py::test_room_opened_while_close_runs_does_not_survive_close",
+    "tests/sender/test_close.py::test_close_racing_open_room_repeatedly",
+    "tests/sender/test_bad_input.py::test_short_info_after_init_is_refused_and_fails_the_room",
+    "tests/sender/test_bad_input.py::test_send_after_a_short_info_fails_cleanly",
+)
+"""Found by the audit of issue 9."""
+
+ISSUE_16_TESTS: tuple[str, ...] = (
+    "tests/sender/test_draining.py::test_settled_hung_chunk_ends_under_steady_traffic",
+    "tests/sender/test_close.py::test_close_with_a_huge_timeout_closes",
+    "tests/sender/test_bad_input.py::test_bad_close_timeout_changes_nothing",
+    "tests/sender/test_draining.py::test_huge_slot_timeout_waits_instead_of_failing",
+    "tests/sender/test_bad_input.py::test_poll_interval_past_the_deadline_is_refused",
+    "tests/sender/test_bad_input.py::test_repeated_destination_pages_are_refused",
+    "tests/sender/test_bad_input.py::test_unaddressable_destination_page_is_refused",
+    "tests/sender/test_bad_input.py::test_a_built_info_with_repeats_is_refused_and_changes_nothing",
+    "tests/sender/test_bad_input.py::test_two_chunks_never_write_one_decode_page_twice",
+    "tests/sender/test_transport.py::test_write_pages_racing_close_raises_transport_closed",
+    "tests/sender/test_transport.py::test_write_pages_racing_close_only_ever_raises_transport_closed",
+    "tests/sender/test_close.py::test_close_does_not_withhold_the_notice_of_a_chunk_ending_elsewhere",
+)
+"""Found by the audit of issue 16, under load."""

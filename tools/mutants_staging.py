@@ -9,15 +9,16 @@ from __future__ import annotations
 from tools.mutants_spec import Mutant
 
 STAGING_TESTS = (
-    "tests/test_staging_contract.py",
-    "tests/test_staging_races.py",
-    "tests/test_staging_point_reads.py",
-    "tests/test_linearizability.py",
+    "tests/staging/test_context.py",
+    "tests/staging/test_late_writers.py",
+    "tests/staging/test_races.py",
+    "tests/staging/test_point_reads.py",
+    "tests/staging/test_linearizability.py",
 )
 # The DPOR proofs only for the lifecycle mutants: mutants that add shared-memory steps to the
 # explored paths (caches, a second critical section, a check outside the lock) make the
 # exploration outgrow its 120 s limit, which is a timeout, not a finding.
-WITH_DPOR = (*STAGING_TESTS, "tests/test_dpor_staging.py")
+WITH_DPOR = (*STAGING_TESTS, "tests/staging/test_dpor_room_lifecycle.py")
 STAGING_STRESS = ("staging-race",)
 
 CONTEXT = "staging/context.py"
@@ -123,7 +124,7 @@ pass  # MUTANT: the session's keys stay in the room (index and counter go)
         kind="sequential",
         description="purge_session drops the session index and the counter but leaves the "
         "keys in their rooms",
-        tests=(*STAGING_TESTS, "tests/test_staging_fail_session.py"),
+        tests=(*STAGING_TESTS, "tests/sender/test_fail_session.py"),
         stress=STAGING_STRESS,
     ),
     Mutant(
@@ -164,7 +165,7 @@ return _Guard(self, self._rw.gen_rlock(), "write")  # MUTANT: writers share the 
         kind="race",
         description="RWLock.write() takes the shared (read) side: writers and readers of an "
         "rw context run together",
-        tests=("tests/test_locks.py", *STAGING_TESTS),
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(
@@ -178,7 +179,7 @@ return  # MUTANT: a contended acquisition goes on without the lock
         kind="race",
         description="the inline (non-debug) mutex guard enters without waiting when the lock "
         "is taken: mutual exclusion is lost only under contention",
-        tests=("tests/test_locks.py", *STAGING_TESTS),
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(
@@ -193,7 +194,7 @@ self._lock._owner = None  # ... which can erase the next holder's own entry
         kind="race",
         description="the inline mutex guard releases before clearing the owner: under "
         "contention it erases the next holder's ownership (assert_held fails in the holder)",
-        tests=("tests/test_locks.py", *STAGING_TESTS),
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(
@@ -208,7 +209,7 @@ lock._owner = None
         kind="race",
         description="request_prefetch's inline mutex release clears the owner after letting "
         "the lock go: another holder's ownership is erased (the lock's own code is intact)",
-        tests=("tests/test_locks.py", *STAGING_TESTS),
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(
@@ -225,7 +226,7 @@ timeout = -1.0 if untimed else self._timeout_arg
         kind="race",
         description="a contended acquisition writes the owner before it has the lock: the "
         "holder's assert_held fails while another thread waits",
-        tests=("tests/test_locks.py", *STAGING_TESTS),
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(

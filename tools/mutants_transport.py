@@ -7,11 +7,11 @@ Each mutant names a site tag (``# mutant-site: NAME``) in its file; see
 
 from __future__ import annotations
 
-from tools.mutants_spec import Mutant
+from tools.mutants_spec import ISSUE_16_TESTS, Mutant
 
 TRANSPORT = "sender/transport.py"
-DPOR_TRANSPORT = "tests/test_dpor_transport.py"
-TRANSPORT_TESTS = ("tests/test_transport.py", "tests/test_load_defects.py", DPOR_TRANSPORT)
+DPOR_TRANSPORT = "tests/sender/test_dpor_transport.py"
+TRANSPORT_TESTS = ("tests/sender/test_transport.py", *ISSUE_16_TESTS, DPOR_TRANSPORT)
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(

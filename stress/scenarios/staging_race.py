@@ -27,7 +27,7 @@ own, contending for the same lock, and every round's history must be linearizabl
 
 The context has ``--lock``'s kind (rw or mutex: nothing here depends on which) and is in
 lock debug mode on even seeds only (:func:`debug_locks`): odd seeds race the library's default
-configuration, whose inline lock paths debug mode bypasses. ``tests/test_staging_races.py``
+configuration, whose inline lock paths debug mode bypasses. ``tests/staging/test_races.py``
 runs the scenario with each kind in each mode.
 
 Test-only planted bugs (``config.plant_bug``), each of which must fail the run:
