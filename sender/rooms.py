@@ -151,10 +151,6 @@ class ManagerPurge:
         status: the room's status at the purge.
         tables: names of the per-room tables that held the room.
         staging: what the staging context removed.
-        slots_released: always 0: a purge returns no staging slot (each is returned by the
-            worker holding it, when it skips its chunk or when the chunk's transfer ends).
-        transfers_released: always 0 since transfers are drained, not released, by a purge
-            (kept for compatibility).
         exception: the room's stored exception, removed by this purge (this opening's only).
         failure_record: the room's failure reason, removed by this purge.
         draining: posted transfers of this opening that were still in flight when the purge
@@ -167,8 +163,6 @@ class ManagerPurge:
     status: KVPoll | None
     tables: tuple[str, ...]
     staging: RoomPurge | None
-    slots_released: int
-    transfers_released: int
     exception: BaseException | None = None
     failure_record: str | None = None
     draining: int = 0
@@ -635,13 +629,13 @@ class RoomTable:
             entry = self.rooms.get(room)
         # mutant-site: purge-if-1
         if entry is None or (generation is not None and entry.handle.generation != generation):
-            return ManagerPurge(room, False, None, (), None, 0, 0)
+            return ManagerPurge(room, False, None, (), None)
         after = After()
         # mutant-site: purge-with
         with entry.gate.write_untimed(), self.lock.write_untimed():
             # mutant-site: purge-if-2
             if self.rooms.get(room) is not entry:  # another purge won
-                return ManagerPurge(room, False, None, (), None, 0, 0)
+                return ManagerPurge(room, False, None, (), None)
             del self.rooms[room]
             status = self.request_status.get(room)
             exception = self.exceptions.get(room)
@@ -699,7 +693,7 @@ class RoomTable:
             self.seal_locked(after)
         self.publish(after)
         return ManagerPurge(
-            room, True, status, tuple(tables), staged, 0, 0, exception, record, draining
+            room, True, status, tuple(tables), staged, exception, record, draining
         )
 
     def fail_session(self, session_id: str, reason: str) -> frozenset[int]:

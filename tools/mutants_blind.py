@@ -90,7 +90,7 @@ return True, (chunk, None, False, False)
         site="purge-if-2",
         replacement=("""\
 if room not in self.rooms:  # another purge won
-    return ManagerPurge(room, False, None, (), None, 0, 0)
+    return ManagerPurge(room, False, None, (), None)
 """),
         kind="race",
         description=(
@@ -204,11 +204,11 @@ settle_until = min(deadline, time.monotonic() + _CLAIMED_END_GRACE_S)
         replacement="""\
     busy = entry is not None and bool(entry.inflight)
 if entry is None or (generation is not None and entry.handle.generation != generation):
-    return ManagerPurge(room, False, None, (), None, 0, 0)
+    return ManagerPurge(room, False, None, (), None)
 after = After()
 with entry.gate.write_untimed(), self.lock.write_untimed():
     if self.rooms.get(room) is not entry:  # another purge won
-        return ManagerPurge(room, False, None, (), None, 0, 0)
+        return ManagerPurge(room, False, None, (), None)
     del self.rooms[room]
     status = self.request_status.get(room)
     exception = self.exceptions.get(room)

@@ -138,7 +138,7 @@ with self._room_lock.read():
         replacement="""\
 with entry.gate.write_untimed(), self.lock.write_untimed():
     if self.rooms.get(room) is not entry:  # another purge won
-        return ManagerPurge(room, False, None, (), None, 0, 0)
+        return ManagerPurge(room, False, None, (), None)
     del self.rooms[room]
     status = self.request_status.get(room)
     exception = self.exceptions.get(room)
@@ -198,7 +198,7 @@ purges = self.counts["purges"]
 self.counts["purges"] = purges + 1
 self.publish(after)
 return ManagerPurge(
-    room, True, status, tuple(tables), staged, 0, 0, exception, record, draining
+    room, True, status, tuple(tables), staged, exception, record, draining
 )
 """,
         kind="race",
@@ -240,11 +240,11 @@ self._held: dict[RoomHandle, _Item] = type(  # MUTANT: held per room id
         replacement="""\
     seen = self.request_status.get(room)  # MUTANT: the status read before the gate
 if entry is None or (generation is not None and entry.handle.generation != generation):
-    return ManagerPurge(room, False, None, (), None, 0, 0)
+    return ManagerPurge(room, False, None, (), None)
 after = After()
 with entry.gate.write_untimed(), self.lock.write_untimed():
     if self.rooms.get(room) is not entry:  # another purge won
-        return ManagerPurge(room, False, None, (), None, 0, 0)
+        return ManagerPurge(room, False, None, (), None)
     del self.rooms[room]
     status = seen
     exception = self.exceptions.get(room)

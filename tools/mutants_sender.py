@@ -63,7 +63,7 @@ if True:  # MUTANT: liveness checked only before the slot wait
         replacement="""\
 with self.lock.write_untimed():  # MUTANT: purge does not wait for a post
     if self.rooms.get(room) is not entry:  # another purge won
-        return ManagerPurge(room, False, None, (), None, 0, 0)
+        return ManagerPurge(room, False, None, (), None)
     del self.rooms[room]
     status = self.request_status.get(room)
     exception = self.exceptions.get(room)
@@ -225,7 +225,7 @@ short = False and (  # MUTANT: an info after init() is not checked
 with entry.gate.write_untimed():
     with self.lock.write_untimed():
         if self.rooms.get(room) is not entry:  # another purge won
-            return ManagerPurge(room, False, None, (), None, 0, 0)
+            return ManagerPurge(room, False, None, (), None)
         del self.rooms[room]
 with entry.gate.write_untimed(), self.lock.write_untimed():  # MUTANT: 2nd one
     status = self.request_status.get(room)

@@ -160,7 +160,7 @@ class SplitPurgeManager(KVManager):
         with self._room_lock.write_untimed():
             entry = rooms.live_locked(room)
             if entry is None:
-                return ManagerPurge(room.room, False, None, (), None, 0, 0)
+                return ManagerPurge(room.room, False, None, (), None)
             del rooms.rooms[room.room]
         with entry.gate.write_untimed(), self._room_lock.write_untimed():
             status = rooms.request_status.get(room.room)
@@ -172,7 +172,7 @@ class SplitPurgeManager(KVManager):
             with self.failure_lock.write():
                 record = rooms.failure_records.pop(room.room, None)
             rooms.counts["purges"] += 1
-        return ManagerPurge(room.room, True, status, tuple(tables), staged, 0, 0, None, record)
+        return ManagerPurge(room.room, True, status, tuple(tables), staged, None, record)
 
 
 def _tables_holding(mgr: KVManager, handle: RoomHandle) -> list[str]:

@@ -347,7 +347,7 @@ def test_worker_finishing_after_clear_leaves_nothing(rig: Rig) -> None:
         purge = mgr.purge_room(s.handle)
         s.clear()
         # Posted writes cannot be cancelled: the chunk drains, its slot stays leased.
-        assert purge.was_open and purge.draining == 1 and purge.slots_released == 0
+        assert purge.was_open and purge.draining == 1
         assert mgr.draining(s.handle) == 1 and "draining" in mgr.footprint(9)
         assert rig.pool.stats().in_use == 1
         gate.set()
