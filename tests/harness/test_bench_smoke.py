@@ -217,6 +217,7 @@ def test_transfer_share_tiny() -> None:
     assert isinstance(calls, dict) and set(calls) == set(transfer_share.CALLS)
 
 
+@pytest.mark.slow
 @pytest.mark.nixl
 @requires_nixl
 def test_throughput_tiny() -> None:
@@ -282,6 +283,7 @@ def test_stress_rooms_tiny() -> None:
     assert stress_rooms.REFERENCE == "mutex" and "default (mutex)" in result.goals[0].text
 
 
+@pytest.mark.slow
 @pytest.mark.nixl
 @requires_nixl
 def test_isolation_tiny() -> None:

@@ -50,6 +50,7 @@ def test_a_peer_not_listening_in_time_is_reaped_and_reported() -> None:
     assert "did not print LISTENING in time" in str(exc)
 
 
+@pytest.mark.slow
 def test_a_started_peer_writes_its_stderr_where_it_was_asked() -> None:
     """What the child wrote while starting (here: Python's import-time profile, on stderr)
     is copied to the caller's file, and once it listens its own stderr and stdout *are*

@@ -110,6 +110,7 @@ def _throughput_result() -> BenchResult:
     )
 
 
+@pytest.mark.slow
 def test_bench_pictures_from_synthetic_results(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from bench import plots
@@ -162,6 +163,7 @@ def test_without_matplotlib_plot_fails_in_one_line_naming_the_extra(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_no_matplotlib_import_without_a_picture() -> None:
     code = (
         "import sys\n"

@@ -42,6 +42,7 @@ def stress(*args: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_quick_staging_race_holds_every_invariant(tmp_path: Path) -> None:
     out = tmp_path / "stress.json"
     proc = stress("staging-race", "--quick", "--seed", "1", "--json", str(out))

@@ -147,6 +147,7 @@ def _quiet(seconds: float) -> None:
     threading.Event().wait(seconds)
 
 
+@pytest.mark.slow
 def test_a_slow_declared_step_is_not_a_stall_and_an_undeclared_one_is() -> None:
     """Three watchdog periods without progress: inside ``long_step`` (bound 30 s, far past
     what a busy machine adds to a 3 s wait) the run is slow, not stuck; the same quiet
@@ -191,6 +192,7 @@ def test_a_real_stall_inside_a_declared_step_is_caught_past_its_bound(
     assert "DEADLOCK?" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_beats_keep_a_coarse_unit_of_progress_live() -> None:
     """Rooms counted per batch (the sender rig): a batch slower than the period is live
     while its rooms conclude (beats), and a stall without beats is caught."""

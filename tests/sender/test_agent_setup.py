@@ -255,6 +255,7 @@ def _published(out: str) -> list[str]:
     return line.split()[1:]
 
 
+@pytest.mark.slow
 @requires_nixl
 @pytest.mark.nixl
 @pytest.mark.timeout(120)
@@ -273,6 +274,7 @@ def test_a_confined_agent_publishes_no_address_but_loopback() -> None:
     assert _published(unconfined) == [link.peer_addr], unconfined
 
 
+@pytest.mark.slow
 @requires_nixl
 @pytest.mark.nixl
 @pytest.mark.timeout(120)

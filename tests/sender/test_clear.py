@@ -519,6 +519,7 @@ def test_clear_never_raises_and_purges_all_under_lock_timeout(
     pool.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stopped", ["purge", "scrape"])
 def test_no_scrape_between_a_purge_and_its_count(stopped: str) -> None:
@@ -535,6 +536,7 @@ def test_no_scrape_between_a_purge_and_its_count(stopped: str) -> None:
     _explored(result, f"purge vs stats(), {stopped} stopped")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_concurrent_purges_lose_no_count() -> None:
     """One purge stopped at every line and return while another room's purge runs: both are
@@ -547,6 +549,7 @@ def test_two_concurrent_purges_lose_no_count() -> None:
     _explored(result, "purge vs purge")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rig", [PurgeVsConclusion, PurgeVsSuccess], ids=["fail", "succeed"])
 def test_a_purge_reports_counts_and_tells_the_status_of_its_own_section(

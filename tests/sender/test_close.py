@@ -499,6 +499,7 @@ def test_close_does_not_withhold_the_notice_of_a_chunk_ending_elsewhere(
     assert decode_peer.wait_room_failed(5, s.handle.generation, 10) is not None
 
 
+@pytest.mark.slow
 @pytest.mark.nixl
 @requires_nixl
 @pytest.mark.timeout(120)

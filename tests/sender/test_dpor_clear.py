@@ -195,6 +195,7 @@ def test_clear_against_worker_conclude_all_interleavings() -> None:
 
 # purge_room walks its tables with a plain loop (frontrun 0.7 traces a comprehension far
 # less precisely: written as one, this exploration did not finish in 400 s).
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.usefixtures("frontrun_enabled")
 def test_two_clears_all_interleavings() -> None:

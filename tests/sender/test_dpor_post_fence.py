@@ -257,12 +257,14 @@ def _explore(rig: type[FenceRig], workers: list[Any], invariant: Any, label: str
 # preemption point best; see tests/sender/test_dpor_clear.py).
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("frontrun_enabled")
 def test_worker_post_against_clear_one_preemption() -> None:
     result = _explore(FenceRig, [FenceRig.worker, FenceRig.clear], FenceRig.holds, "post vs clear")
     assert result.property_holds is True, result.explanation
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("frontrun_enabled")
 def test_worker_post_against_failure_exception_one_preemption() -> None:
     result = _explore(
@@ -283,6 +285,7 @@ def test_planted_unfenced_post_against_clear_is_caught() -> None:
     assert "posted after the room's purge returned" in (result.explanation or "")
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("frontrun_enabled")
 def test_planted_unfenced_post_against_failure_exception_is_caught() -> None:
     result = _explore(

@@ -156,6 +156,7 @@ def _explore(rig: type[ProgressRig], label: str) -> Any:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("frontrun_enabled")
 def test_two_inline_progress_calls_one_preemption() -> None:
     result = _explore(ProgressRig, "progress vs progress")

@@ -283,6 +283,7 @@ def test_planted_failure_exception_by_room_id_is_caught() -> None:
     assert "second opening" in (result.explanation or "")
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("frontrun_enabled")
 def test_purge_is_atomic_to_an_observer_all_interleavings() -> None:
     result = _explore(ObserverRig, [ObserverRig.purge, ObserverRig.observe], "purge vs observer")

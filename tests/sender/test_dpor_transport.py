@@ -250,6 +250,7 @@ class PollRig(Rig):
         return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("action", ["release", "remove_peer"])
 def test_poll_against_release_at_every_preemption_point(action: str, peer_metadata: bytes) -> None:
     """Deterministic, real threads (``tests/interleave.py``): the poller is stopped at every
@@ -264,6 +265,7 @@ def test_poll_against_release_at_every_preemption_point(action: str, peer_metada
     assert not result.failures, result.failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("action", ["remove_peer", "deregister_region", "close"])
 def test_membership_change_against_write_pages_at_every_preemption_point(
     action: str, peer_metadata: bytes

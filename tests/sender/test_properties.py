@@ -216,6 +216,7 @@ def test_every_chunk_ends_once_on_every_end_path_including_close_abandon(
         sys.setswitchinterval(old)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_hung_chunk_keeps_its_transfer_and_slot_until_it_settles(
     sender_pool: SenderPool, peer_factory: Callable[..., Any], decode_peer: Any
@@ -615,6 +616,7 @@ def torch_zeros(pages: int) -> Any:
 # ------------------------------------------------------------ concurrent hung-chunk sweeps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_concurrent_sweeps_never_raise_and_workers_survive(
     sender_pool: SenderPool, peer_factory: Callable[..., Any]

@@ -188,6 +188,7 @@ def _child() -> int:
     return 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_write_held_up_by_a_partition_keeps_its_pages_until_it_landed() -> None:
     from stress import netns

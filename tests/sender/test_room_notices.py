@@ -554,6 +554,7 @@ def _run_lifecycle(tmp_path: Any, *extra: str) -> tuple[int, dict[str, Any]]:
     return proc.returncode, scenario
 
 
+@pytest.mark.slow
 @requires_nixl
 @pytest.mark.nixl
 @pytest.mark.timeout(120)
@@ -652,6 +653,7 @@ class _SlowNotices:
         return getattr(self.inner, name)
 
 
+@pytest.mark.slow
 @requires_nixl
 @pytest.mark.nixl
 @pytest.mark.timeout(120)

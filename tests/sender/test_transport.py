@@ -249,6 +249,7 @@ def test_poll_release_race_four_threads(
 # --------------------------------------------------------------------------- idle CPU
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_idle_cpu_below_5_percent(nixl_required: None) -> None:
     """A transport with a registered pool, idle for 2 s, costs < 5 % of one core.

@@ -51,6 +51,7 @@ def _lift(ctx: CompatStagingContext) -> None:
     ctx.lift_tombstone(ROOM)
 
 
+@pytest.mark.slow
 def test_a_duplicate_lift_while_the_room_is_live_drops_nothing() -> None:
     result = interleave.explore(_live, _lift, _scheduler, _keeps_everything, block_s=0.2)
     assert result.schedules > 1 and not result.failures, result.failures[:3]

@@ -156,6 +156,7 @@ IN_PLACE_CASES: list[tuple[str, Any, tuple[Any, ...], tuple[Op, ...]]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("operator", "other", "initial", "ops"), IN_PLACE_CASES)
 def test_in_place_operators_decide_inside_the_lock(
     operator: str, other: Any, initial: tuple[Any, ...], ops: tuple[Op, ...]
@@ -206,6 +207,7 @@ class SelfComparison:
         return f"the view disagreed with itself: {wrong}" if wrong else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lock", LOCK_KINDS)
 def test_a_view_compared_with_itself_is_one_snapshot(lock: str) -> None:
     rig = type("Rig", (SelfComparison,), {"lock": lock})
@@ -244,6 +246,7 @@ class PurgeSessionVsReader:
         return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lock", LOCK_KINDS)
 def test_purge_session_is_one_instant_for_a_reader_of_several_keys(lock: str) -> None:
     rig = type("Rig", (PurgeSessionVsReader,), {"lock": lock})
@@ -397,6 +400,7 @@ G_CASES: list[tuple[str, str, tuple[Op, ...]]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "lock", "ops"), G_CASES)
 def test_intersection_is_decided_on_the_state_inside_the_lock(
     method: str, lock: str, ops: tuple[Op, ...]

@@ -129,6 +129,7 @@ def _whole(entry: tuple[Any, Any]) -> bool:
     return entry in ((["bootstrap"], "receiver"), (None, None))
 
 
+@pytest.mark.slow
 def test_purge_vs_reader_sees_both_or_neither() -> None:
     """The purge stopped at each of its scheduling points while a reader reads the room's
     pair: the reader sees both entries or neither, in every schedule (and the purge took
@@ -155,6 +156,7 @@ def test_purge_vs_reader_sees_both_or_neither() -> None:
     assert result.schedules >= 2 and not result.failures, result.failures[:3]
 
 
+@pytest.mark.slow
 def test_reader_vs_purge_sees_both_or_neither() -> None:
     """The reader stopped at each of its points while the purge runs: both or neither."""
     seen: list[tuple[Any, Any]] = []
@@ -172,6 +174,7 @@ def test_reader_vs_purge_sees_both_or_neither() -> None:
     assert result.schedules >= 2 and not result.failures, result.failures[:3]
 
 
+@pytest.mark.slow
 def test_register_vs_reader_sees_both_or_neither() -> None:
     seen: list[tuple[Any, Any]] = []
 

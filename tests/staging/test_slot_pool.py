@@ -117,6 +117,7 @@ class StaleReleaseVsAcquire:
         return None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_stale_release_never_frees_a_slot_someone_else_holds() -> None:
     """Found by issue 23, section 3 (planted bugs an outside set got past)."""
