@@ -940,7 +940,6 @@ class ChunkPipeline:
         stop, ends the wait at once); ``0`` only checks the queue and yields the CPU."""
         try:
             if pause_s > 0:
-                # mutant-site: next-unit
                 return self._queue.get(timeout=bounded_wait(pause_s))
             unit = self._queue.get_nowait()
         except queue.Empty:

@@ -519,20 +519,6 @@ if True:  # MUTANT: close() from a worker joins the current thread
         tests=("tests/sender/test_close.py::test_close_from_a_listener_callback_on_a_worker",),
     ),
     Mutant(
-        id="e25-close-does-not-wake",
-        file=PIPELINE,
-        site="next-unit",
-        replacement="""\
-time.sleep(pause_s)  # MUTANT: a long pause is not ended by close()'s stop
-return self._queue.get_nowait()
-""",
-        kind="lifecycle",
-        description="issue 25 suspicion: a worker's long pause between polls is a sleep, not a "
-        "wait on its queue: "
-        "a poll_interval_s longer than its join makes close() raise",
-        tests=("tests/sender/test_close.py::test_long_poll_interval_does_not_fail_close",),
-    ),
-    Mutant(
         id="e25-unposted-failure-without-event",
         file=ROOMS,
         site="ended-locked",
