@@ -1,11 +1,11 @@
 """What a :class:`~sender.manager.KVManager` tells listeners as rooms and chunks conclude.
 
 :class:`ManagerEvents` is the listener protocol; the manager calls it **outside its locks**,
-on whichever thread concluded the room or ended the chunk (the scheduler thread, a transfer
-worker, the notifier), or on the first thread to read that state (``poll()``, ``status()``,
-``stats()``, ``wait_drained()``: each makes the pending calls of what it read before it
-returns, or waits for the thread making them; a listener calling back into the manager
-never waits). :class:`FanOut` passes each event to several listeners and never
+on whichever thread concluded the room or ended the chunk (the scheduler thread or a
+transfer worker; never the notifier thread), or on the first thread to read that state
+(``poll()``, ``status()``, ``stats()``, ``wait_drained()``: each makes the pending calls of
+what it read before it returns, or waits for the thread making them; a listener calling back
+into the manager never waits). :class:`FanOut` passes each event to several listeners and never
 raises: a listener's error is counted and swallowed, so the manager's threads never see it.
 ``sender.metrics.LatencyHistograms`` is a listener that feeds Prometheus histograms; this
 module imports no metrics library.

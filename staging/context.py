@@ -15,9 +15,10 @@ the room. That is what keeps a late transfer worker from resurrecting a purged r
 The default lock is ``"mutex"``, the same as ``KVManager``'s: the rule is "under the GIL,
 take the mutex". Point reads take no lock at all, so what ``"rw"`` would let run side by
 side is only the snapshots, and its pure-Python acquisition costs about ten times a
-``threading.Lock``'s (``python -m bench lifecycle``: a room's lifecycle is 2.3-2.9x slower
-with ``"rw"`` at 1 thread, more at 2 to 8). ``"rw"`` stays available for workloads that hold read
-snapshots of many rooms while other threads write.
+``threading.Lock``'s (``python -m bench lifecycle``: a room's lifecycle is about twice as
+slow with ``"rw"`` at 1 thread, more at 2 to 8; figures in docs/PERFORMANCE.md). ``"rw"``
+stays available for workloads that hold read snapshots of many rooms while other threads
+write.
 
 The thread-safety contract of every method is in ``docs/THREADING.md``; each docstring
 repeats it in one line.
@@ -159,7 +160,7 @@ class StagingContext:
     Args:
         lock: ``"mutex"`` (default; ``threading.Lock`` for both modes) or ``"rw"``
             (``readerwriterlock.RWLockFair``; readers share). Rule: under the GIL take the
-            mutex, as ``KVManager`` does; it is 2.3-2.9x faster for a room's lifecycle
+            mutex, as ``KVManager`` does; it is about twice as fast for a room's lifecycle
             (``python -m bench lifecycle``) because the hot reads are lock-free anyway.
         lock_timeout: seconds to wait for the lock before raising
             :class:`~staging.errors.LockTimeoutError`; ``None`` or ``float("inf")`` waits
