@@ -144,6 +144,10 @@ def _run(up: drive.Upstream, cls: type, seed: int, counts: _Counts) -> None:
     errors: list[BaseException] = []
     newest = [0]
     done = threading.Event()
+    # The scheduler goes on past its first room only once the listener handled a request:
+    # on a loaded machine the listener thread was not scheduled before the scheduler had
+    # registered and removed every room, and the run then exercised no race at all.
+    listening = threading.Event()
 
     def scheduler() -> None:
         try:
@@ -152,6 +156,8 @@ def _run(up: drive.Upstream, cls: type, seed: int, counts: _Counts) -> None:
                 register(mgr, room, [{"pp_rank": 0, "room": room}], _Receiver(room, sent))
                 newest[0] = room
                 live.append(room)
+                if room == 1:
+                    listening.wait(JOIN_S)
                 while len(live) > LIVE or (live and rng.random() < 0.1):
                     unregister(handler, live.pop(rng.randrange(len(live))))
             for room in live:
@@ -170,11 +176,14 @@ def _run(up: drive.Upstream, cls: type, seed: int, counts: _Counts) -> None:
                 found = ctx.room_receivers.get(room) is not None
                 handle(msg, object(), None, 1, 1, None, ctx.room_receivers, ctx.room_bootstrap)
                 counts.handled += 1
+                listening.set()
                 counts.torn += found and len(sent) == before and room not in ctx.room_bootstrap
                 for r in ctx.room_receivers:  # a monitoring loop of ours
                     ctx.room_bootstrap.get(r)
         except BaseException as exc:  # reported
             errors.append(exc)
+        finally:
+            listening.set()  # never leave the scheduler waiting
 
     threads = [threading.Thread(target=f, daemon=True) for f in (scheduler, listener)]
     for t in threads:
