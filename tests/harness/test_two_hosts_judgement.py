@@ -56,19 +56,16 @@ class _Stalled(LagProbe):
         return self.stall_s if start <= self.at <= end else 0.0
 
 
-def _judge(
-    sender_delay_s: float, lag: LagProbe | None = None
-) -> tuple[dict[str, tuple[int, list[str]]], dict[str, Any]]:
-    """A kill phase: one room in flight at the fault, eight opened 0.2 s after it; the
-    sender concludes each ``sender_delay_s`` after the peer died (or after its opening, if
-    later); the scheduler notices all of them only at ``HELD_UNTIL``. ``lag``: what the
+def _kill_child(
+    outcomes: list[RoomOutcome], sender_delay_s: float, lag: LagProbe | None = None
+) -> Any:
+    """A two-hosts child judging a kill phase of ``outcomes``: the sender concludes each
+    ``sender_delay_s`` after the peer died (or after its opening, if later). ``lag``: what the
     child's scheduling-delay probe saw (none by default)."""
     from stress.scenarios.two_hosts import INVARIANTS, Plan, _Child, _Track
 
     now = [0.0]
     clock = ConclusionClock(now=lambda: now[0])
-    outcomes = [_outcome(1, FAULT_AT - 0.1, HELD_UNTIL)]
-    outcomes += [_outcome(10 + i, FAULT_AT + 0.2 + i * 1e-3, HELD_UNTIL) for i in range(8)]
     for o in outcomes:
         now[0] = max(o.started_at, DEAD_AT) + sender_delay_s  # the manager tells it then
         clock.room_concluded(o.room, o.generation, "failed", "transport", now[0] - o.started_at)
@@ -84,11 +81,47 @@ def _judge(
     child._rig = _Rig()
     child.lag = lag or LagProbe()
     child.in_flight_at = {}
-    figures = child._figures("kill", FAULT_AT, FAULT_AT + 0.9, FAULT_AT + 1.0, None, [], DEAD_AT)
-    found = {
+    return child
+
+
+def _found(child: Any) -> dict[str, tuple[int, list[str]]]:
+    return {
         r.name: (r.violations, list(r.examples)) for r in child.monitor.reports() if r.violations
     }
-    return found, figures
+
+
+def _judge(
+    sender_delay_s: float, lag: LagProbe | None = None
+) -> tuple[dict[str, tuple[int, list[str]]], dict[str, Any]]:
+    """A kill phase: one room in flight at the fault, eight opened 0.2 s after it; the
+    sender concludes each ``sender_delay_s`` after the peer died (or after its opening, if
+    later); the scheduler notices all of them only at ``HELD_UNTIL``."""
+    outcomes = [_outcome(1, FAULT_AT - 0.1, HELD_UNTIL)]
+    outcomes += [_outcome(10 + i, FAULT_AT + 0.2 + i * 1e-3, HELD_UNTIL) for i in range(8)]
+    child = _kill_child(outcomes, sender_delay_s, lag)
+    figures = child._figures("kill", FAULT_AT, FAULT_AT + 0.9, FAULT_AT + 1.0, None, [], DEAD_AT)
+    return _found(child), figures
+
+
+def test_a_fault_kind_that_never_found_a_room_in_flight_is_a_vacuous_check() -> None:
+    """A fault with no room in flight judges nothing and is not a violation by itself; a
+    kind none of whose faults found one is (``fault-to-failed`` would have checked
+    nothing of it), and one that found one in another phase is not."""
+    after = [_outcome(10 + i, FAULT_AT + 0.2 + i * 1e-3, HELD_UNTIL) for i in range(4)]
+    child = _kill_child(after, 0.05)
+    child._figures("kill", FAULT_AT, FAULT_AT + 0.9, FAULT_AT + 1.0, None, [], DEAD_AT)
+    assert _found(child) == {}
+    child._judge_in_flight_coverage()
+    assert _found(child) == {
+        "fault-to-failed": (1, ["kill: no room was in flight at any of its 1 faults"])
+    }
+    both = _kill_child([_outcome(1, FAULT_AT - 0.1, HELD_UNTIL), *after], 0.05)
+    both.track.outcomes = after  # the first phase: nothing in flight
+    both._figures("kill", FAULT_AT, FAULT_AT + 0.9, FAULT_AT + 1.0, None, [], DEAD_AT)
+    both.track.outcomes = [_outcome(1, FAULT_AT - 0.1, HELD_UNTIL), *after]
+    both._figures("kill", FAULT_AT, FAULT_AT + 0.9, FAULT_AT + 1.0, None, [], DEAD_AT)
+    both._judge_in_flight_coverage()
+    assert both.in_flight_at == {"kill": [2, 1]} and _found(both) == {}
 
 
 def test_a_scheduler_held_up_by_the_harness_is_not_the_senders_delay() -> None:
