@@ -20,7 +20,7 @@
    to the holder first (``staging.locks.HANDOFF_YIELDS``, shipped) and blocking at once (as
    before): rounds, the median ratio to the reference, the contended share and voluntary
    context switches. A *convoy* -- every acquisition a hand-off through the kernel, see
-   ``staging.locks._LockBase._acquire_contended`` -- shows as a round with hundreds of
+   ``staging.locks._LockBase._wait`` -- shows as a round with hundreds of
    contended acquisitions and context switches.
 
 The ablation patches ``staging.context``'s validators, one context's ``_lock`` and (view 5)
@@ -81,7 +81,6 @@ class _NullLock:
     plain acquire/release methods do nothing."""
 
     kind = "none"
-    inline_mutex = None
 
     def acquire_write(self) -> None:
         return None
@@ -110,9 +109,9 @@ class _Inner(Protocol):
     def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
 
 
-# The what-if locks override RWLock._acquire and use these private attributes; if staging's
+# The what-if locks override RWLock._take and use these private attributes; if staging's
 # lock internals change, the what-if view is skipped (and says so) rather than mis-measured.
-_WHAT_IF_NEEDS: tuple[str, ...] = ("_acquire", "_release", "_timeout_arg", "_stats_lock")
+_WHAT_IF_NEEDS: tuple[str, ...] = ("_take", "_give", "_timeout_arg", "_stats_lock")
 _WHAT_IF_NEEDS += ("_owner", "_writes", "_reads", "_timeouts", "_name", "_rw")
 
 
@@ -120,7 +119,7 @@ class _RWNoProbe(RWLock):
     """What-if: our RWLock (debug off) without the non-blocking probe before the blocking
     acquire. (It loses the ``contended`` count: this only sizes what the probe costs.)"""
 
-    def _acquire(self, inner: _Inner, mode: LockMode, *, untimed: bool = False) -> None:
+    def _take(self, inner: _Inner, mode: LockMode, untimed: bool = False) -> None:
         if not inner.acquire(True, -1.0 if untimed else self._timeout_arg):
             with self._stats_lock:
                 self._timeouts += 1
@@ -140,7 +139,7 @@ class _RWNoProbeNoStatsLock(RWLock):
     exact free count needs a lock that counts readers in its own critical section.)
     """
 
-    def _acquire(self, inner: _Inner, mode: LockMode, *, untimed: bool = False) -> None:
+    def _take(self, inner: _Inner, mode: LockMode, untimed: bool = False) -> None:
         if not inner.acquire(True, -1.0 if untimed else self._timeout_arg):
             raise LockTimeoutError(self._name, mode, self._timeout_arg)
         if mode == "write":

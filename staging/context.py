@@ -29,8 +29,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from threading import get_ident as _get_ident
-from typing import cast
+from typing import NamedTuple
 
 from staging.errors import RoomAlreadyOpenError, RoomNotOpenError, RoomPurgedError
 from staging.locks import LockLevel, LockStats, MutexLock, RWLock, make_lock
@@ -60,42 +59,32 @@ def next_generation() -> int:
     return next(_GENERATIONS)
 
 
-@dataclass(frozen=True, slots=True)
-class RoomHandle:
-    """One opening of a room: ``(room, generation)``. Generations are unique in the process,
-    so a handle never matches a room of another context or a later opening of the same id.
+class _RoomHandleFields(NamedTuple):
+    room: int
+    generation: int
+
+
+class RoomHandle(_RoomHandleFields):
+    """One opening of a room: ``(room, generation)``, an immutable named tuple. Generations
+    are unique in the process, so a handle never matches a room of another context or a later
+    opening of the same id.
 
     Raises:
         TypeError, ValueError: ``room`` or ``generation`` is not an ``int`` >= 0.
     """
 
-    room: int
-    generation: int
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
+    def __new__(cls, room: int, generation: int) -> RoomHandle:
         # Normalised to exact ints: a handle is hashed and compared under locks.
-        object.__setattr__(self, "room", check_room_id(self.room))
-        object.__setattr__(self, "generation", check_index(self.generation, "generation"))
+        if type(room) is not int or not 0 <= room < MAX_ID:
+            room = check_room_id(room)
+        if type(generation) is not int or generation < 0:
+            generation = check_index(generation, "generation")
+        return super().__new__(cls, room, generation)
 
 
-def _layout_twin(cls: type) -> type:
-    """A plain class with the same ``__slots__`` as the frozen slotted dataclass ``cls``.
-
-    An instance of it is filled with ordinary slot stores and then becomes a ``cls`` by
-    ``__class__`` assignment (CPython allows it between classes of the same slots layout,
-    and raises ``TypeError`` otherwise). That skips the frozen ``__setattr__``, which goes
-    through ``object.__setattr__`` once per field: measured with callgrind, a ``RoomHandle``
-    costs ~1,700 instructions this way, ~3,100 with ``object.__setattr__`` and ~8,900
-    through its checked ``__init__``. Only for values already checked (exact types).
-    """
-    return type(f"_{cls.__name__}Twin", (), {"__slots__": cls.__dict__["__slots__"]})
-
-
-_HandleTwin = _layout_twin(RoomHandle)
-
-
-@dataclass(frozen=True, slots=True)
-class RoomPurge:
+class RoomPurge(NamedTuple):
     """What one ``purge_room`` removed, taken in the same critical section that removed it."""
 
     room: int
@@ -103,9 +92,6 @@ class RoomPurge:
     was_prefetched: bool
     requests: frozenset[RoomKey]
     generation: int | None = None
-
-
-_PurgeTwin = _layout_twin(RoomPurge)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,11 +251,7 @@ class StagingContext:
             self._rooms_opened += 1
         finally:
             lock.release_write()
-        handle = _HandleTwin()  # checked values: room above, generation from the counter
-        handle.room = room
-        handle.generation = generation
-        handle.__class__ = RoomHandle
-        return cast(RoomHandle, handle)
+        return RoomHandle._make((room, generation))  # checked above: skips __new__'s checks
 
     def purge_room(self, room: RoomRef) -> RoomPurge:
         """Remove ``room`` from both collections and close it, in ONE critical section.
@@ -290,19 +272,7 @@ class StagingContext:
         # mutant-site: purge-room
         with self._lock.write_untimed():
             state = self._close_locked(room_id, generation)
-        if state is None:
-            return RoomPurge(room_id, False, False, frozenset())
-        # Built after the lock is released (a purged _Room is never mutated again), by slot
-        # stores (see _layout_twin): five frozen-dataclass field stores cost more than the
-        # purge itself.
-        purge = _PurgeTwin()
-        purge.room = room_id
-        purge.was_open = True
-        purge.was_prefetched = state.prefetched
-        purge.requests = frozenset(state.requests)
-        purge.generation = state.generation
-        purge.__class__ = RoomPurge
-        return cast(RoomPurge, purge)
+        return _purge_record(room_id, state)  # after the release: a purged _Room never changes
 
     def purge_session(self, session_id: str) -> frozenset[int]:
         """A decode peer died: drop its keys from every room; return the rooms that had any.
@@ -356,7 +326,7 @@ class StagingContext:
         """
         generation: int | None
         if type(room) is RoomHandle:
-            room_id, generation = room.room, room.generation
+            room_id, generation = room
         else:
             room_id, generation = self._ref(room)
         if type(chunk_idx) is not int or not 0 <= chunk_idx < MAX_ID:
@@ -364,18 +334,8 @@ class StagingContext:
         if type(session_id) is not str or not session_id:
             session_id = check_session_id(session_id)
         key = (chunk_idx, session_id)
-        # The one writer made several times per room (once per chunk and session) takes a
-        # non-debug mutex inline: the steps of MutexLock.acquire_write/release_write, written
-        # out (two Python calls less: ~900 of a request's ~7,000 instructions).
         lock = self._lock
-        mutex = lock.inline_mutex  # None for an RWLock and in debug mode
-        if mutex is None:
-            lock.acquire_write()  # rw or debug mode: the lock's own path
-        elif mutex.acquire(False):
-            lock._owner = _get_ident()
-            lock._writes += 1
-        else:
-            lock._acquire_contended(mutex, "write", untimed=False)
+        lock.acquire_write()
         try:
             state = self._rooms.get(room_id)
             # mutant-site: request-prefetch-if
@@ -392,12 +352,7 @@ class StagingContext:
                 self._index_session(state, session_id, room_id)
             return True
         finally:
-            if mutex is not None:
-                # mutant-site: request-prefetch-set-owner
-                lock._owner = None
-                mutex.release()
-            else:
-                lock.release_write()
+            lock.release_write()
 
     def request_prefetches(
         self, room: RoomRef, chunk_idxs: Iterable[int], session_id: str
@@ -414,7 +369,7 @@ class StagingContext:
         """
         generation: int | None
         if type(room) is RoomHandle:
-            room_id, generation = room.room, room.generation
+            room_id, generation = room
         else:
             room_id, generation = self._ref(room)
         chunks: Iterable[int]
@@ -483,7 +438,7 @@ class StagingContext:
         """
         generation: int | None
         if type(room) is RoomHandle:
-            room_id, generation = room.room, room.generation
+            room_id, generation = room
         else:
             room_id, generation = self._ref(room)
         lock = self._lock
@@ -549,7 +504,7 @@ class StagingContext:
         """
         generation: int | None
         if type(room) is RoomHandle:
-            room_id, generation = room.room, room.generation
+            room_id, generation = room
         else:
             room_id, generation = self._ref(room)
         if type(chunk_idx) is not int or not 0 <= chunk_idx < MAX_ID:
@@ -577,7 +532,7 @@ class StagingContext:
         room_id, generation = self._ref(room)
         with self._lock.read():
             state = self._live_quiet(room_id, generation)
-            return None if state is None else RoomHandle(room_id, state.generation)
+            return None if state is None else RoomHandle._make((room_id, state.generation))
 
     def room_requests(self, room: RoomRef) -> frozenset[RoomKey]:
         """The ``(chunk_idx, session_id)`` keys of the open room (empty if closed).
@@ -711,12 +666,7 @@ class StagingContext:
     def _purge_locked(self, room_id: int, generation: int | None) -> RoomPurge:
         """:meth:`_close_locked` with the :class:`RoomPurge` it makes (the purge of a
         subclass that adds to the same critical section). Caller holds the write lock."""
-        state = self._close_locked(room_id, generation)
-        if state is None:
-            return RoomPurge(room_id, False, False, frozenset())
-        return RoomPurge(
-            room_id, True, state.prefetched, frozenset(state.requests), state.generation
-        )
+        return _purge_record(room_id, self._close_locked(room_id, generation))
 
     def _index_session(self, state: _Room, session_id: str, room_id: int) -> None:
         """Enter the open room in the session index for ``session_id`` (idempotent). Caller
@@ -763,3 +713,11 @@ class StagingContext:
             for room, state in self._rooms.items()
             for chunk_idx, session in state.requests
         )
+
+
+def _purge_record(room_id: int, state: _Room | None) -> RoomPurge:
+    """The :class:`RoomPurge` of a room whose state :meth:`StagingContext._close_locked`
+    returned (``None``: nothing was open)."""
+    if state is None:
+        return RoomPurge(room_id, False, False, frozenset())
+    return RoomPurge(room_id, True, state.prefetched, frozenset(state.requests), state.generation)

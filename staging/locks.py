@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from types import TracebackType
@@ -108,11 +109,11 @@ def check_lock_timeout(timeout: object, what: str = "lock timeout") -> float | N
     return seconds
 
 
-_get_ident = threading.get_ident  # bound once: the inline paths call it per acquisition
+_get_ident = threading.get_ident
 
 HANDOFF_YIELDS: int = 3 if getattr(sys, "_is_gil_enabled", lambda: True)() else 0
 """How many times a contended acquisition hands the GIL over (``time.sleep(0)``) and tries
-again before it blocks on the lock (see ``_LockBase._acquire_contended``). Without a GIL
+again before it blocks on the lock (see ``_LockBase._wait``). Without a GIL
 (free-threaded CPython) the holder runs on its own core: then 0, block at once."""
 
 
@@ -161,9 +162,6 @@ class StagingLock(Protocol):
     @property
     def debug(self) -> bool: ...
 
-    inline_mutex: threading.Lock | None
-    """A raw mutex that a hot caller may take inline, or ``None`` (see ``MutexLock``)."""
-
     def read(self) -> _Guard:
         """Context manager holding the lock in shared (read) mode."""
         ...
@@ -211,9 +209,10 @@ def held_locks() -> tuple[tuple[str, LockMode], ...]:
 
 
 class _Guard:
-    """Acquisition of a lock in one mode, as a context manager. Stateless apart from what it
-    wraps: an RWLock makes one per use (around a fresh generated lock object), a MutexLock
-    reuses one per mode."""
+    """Acquisition of a lock in one mode, as a context manager: the lock's own
+    :meth:`_LockBase._take` and :meth:`_LockBase._give` (debug mode: their checked forms).
+    Stateless apart from what it wraps: an RWLock makes one per use (around a fresh
+    generated lock object), a MutexLock reuses one per mode."""
 
     __slots__ = ("_inner", "_lock", "_mode", "_untimed")
 
@@ -226,7 +225,7 @@ class _Guard:
         self._untimed = untimed
 
     def __enter__(self) -> None:
-        self._lock._acquire(self._inner, self._mode, untimed=self._untimed)
+        self._lock._acquire(self._inner, self._mode, self._untimed)
 
     def __exit__(
         self,
@@ -235,37 +234,6 @@ class _Guard:
         tb: TracebackType | None,
     ) -> None:
         self._lock._release(self._inner, self._mode)
-
-
-class _FastMutexGuard(_Guard):
-    """The guard of a non-debug :class:`MutexLock`: the uncontended acquisition runs inline
-    (no call into :meth:`_LockBase._acquire`, ~0.3 µs less per acquisition: a room lifecycle
-    takes its lock ~20 times); a contended one goes through :meth:`_LockBase._acquire_contended`.
-    Same behaviour and counters as :class:`_Guard` (the lock contract tests run on both)."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        if not self._inner.acquire(False):
-            # mutant-site: enter
-            self._lock._acquire_contended(self._inner, self._mode, untimed=self._untimed)
-            return
-        lock = self._lock
-        lock._owner = _get_ident()  # the holder's own writes, as in _acquire
-        if self._mode == "write":
-            lock._writes += 1
-        else:
-            lock._reads += 1
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # mutant-site: exit
-        self._lock._owner = None
-        self._inner.release()
 
 
 class _LockBase:
@@ -288,10 +256,17 @@ class _LockBase:
         self._timeout_arg: float = -1 if timeout is None else float(timeout)
         self._debug = debug_from_env() if debug is None else bool(debug)
         self._count_contention = self._debug or self._exclusive_only
+        # The acquisition and release paths, chosen once: debug mode wraps the plain ones in
+        # its checks and tracking.
+        self._acquire: Callable[[_Acquirable, LockMode, bool], None] = (
+            self._take_checked if self._debug else self._take
+        )
+        self._release: Callable[[_Acquirable, LockMode], None] = (
+            self._give_checked if self._debug else self._give
+        )
         # Thread ident of the exclusive holder (write mode, or any mode of a mutex), or None.
-        # Written only by the holder, after acquiring and before releasing: _note_acquired /
-        # _release, and the inline paths of a non-debug mutex (_FastMutexGuard,
-        # MutexLock.acquire_write*/release_write, StagingContext.request_prefetch).
+        # Written only by the holder, after acquiring and before releasing (_acquire,
+        # _release): guarded by the lock itself.
         self._owner: int | None = None
         # Counters. _writes, and _reads of an exclusive-only lock, are guarded by the lock
         # itself (only the exclusive holder increments them); _reads of a shared-mode lock,
@@ -323,25 +298,40 @@ class _LockBase:
 
     # -- acquisition -------------------------------------------------------------------
 
-    def _acquire(self, inner: _Acquirable, mode: LockMode, *, untimed: bool = False) -> None:
-        if self._debug:
-            self._check_order(mode)
+    def _take(self, inner: _Acquirable, mode: LockMode, untimed: bool = False) -> None:
+        """The one acquisition path of every guard and ``acquire_write*``: the acquisition
+        itself (:meth:`_wait` when contended), then the new holder's bookkeeping (owner and
+        counters). In debug mode :meth:`_take_checked` runs it between its checks."""
         # Contention is counted where a try-acquire is cheap (a threading.Lock, or any lock
         # in debug mode). readerwriterlock's non-blocking acquire costs more than the
         # blocking one (deadline arithmetic), so a non-debug RWLock goes straight to it.
-        if self._count_contention and not inner.acquire(False):
-            self._acquire_contended(inner, mode, untimed=untimed)
-            return
-        if not self._count_contention and not inner.acquire(
-            True, -1.0 if untimed else self._timeout_arg
-        ):
+        if self._count_contention:
+            # mutant-site: take-try-acquire
+            if not inner.acquire(False):
+                self._wait(inner, mode, untimed)
+        elif not inner.acquire(True, -1.0 if untimed else self._timeout_arg):
             self._timed_out(mode)
-        self._note_acquired(mode)
+        if mode == "write":
+            self._owner = _get_ident()
+            self._writes += 1
+        elif self._exclusive_only:
+            self._owner = _get_ident()
+            self._reads += 1
+        else:
+            with self._stats_lock:
+                self._reads += 1
 
-    def _acquire_contended(self, inner: _Acquirable, mode: LockMode, *, untimed: bool) -> None:
-        """Finish an acquisition whose try-acquire failed: count it, hand the GIL to the
-        holder and try again (:data:`HANDOFF_YIELDS` times), then block (up to the timeout
-        unless ``untimed``).
+    def _take_checked(self, inner: _Acquirable, mode: LockMode, untimed: bool = False) -> None:
+        """Debug mode's acquisition: the order and reentry checks, :meth:`_take`, then the
+        calling thread's record of what it holds."""
+        self._check_order(mode)
+        self._take(inner, mode, untimed)
+        _held_list().append((self, mode))
+
+    def _wait(self, inner: _Acquirable, mode: LockMode, untimed: bool) -> None:
+        """Take ``inner`` after its try-acquire failed: count the contention, hand the GIL to
+        the holder and try again (:data:`HANDOFF_YIELDS` times), then block (up to the
+        timeout unless ``untimed``; raises :class:`LockTimeoutError` past it).
 
         Why not block at once: under the GIL a busy lock almost always means that its holder
         was switched out inside its critical section and now waits for the GIL we hold. A
@@ -363,43 +353,32 @@ class _LockBase:
             for _ in range(HANDOFF_YIELDS):
                 time.sleep(0)  # releases the GIL: the holder runs
                 if inner.acquire(False):
-                    self._note_acquired(mode)
                     return
             if timeout >= 0:
                 timeout = max(0.0, timeout - (time.monotonic() - started))
         if not inner.acquire(True, timeout):
             self._timed_out(mode)
-        self._note_acquired(mode)
 
     def _timed_out(self, mode: LockMode) -> NoReturn:
         with self._stats_lock:
             self._timeouts += 1
         raise LockTimeoutError(self._name, mode, self._timeout_arg)
 
-    def _note_acquired(self, mode: LockMode) -> None:
-        """The new holder's bookkeeping (owner, counters, debug tracking)."""
-        if self._exclusive_only or mode == "write":
-            self._owner = threading.get_ident()
-            if mode == "write":
-                self._writes += 1
-            else:
-                self._reads += 1
-        else:
-            with self._stats_lock:
-                self._reads += 1
-        if self._debug:
-            _held_list().append((self, mode))
-
-    def _release(self, inner: _Acquirable, mode: LockMode) -> None:
-        if self._debug:
-            held = _held_list()
-            for i in range(len(held) - 1, -1, -1):
-                if held[i][0] is self:
-                    del held[i]
-                    break
-        if self._exclusive_only or mode == "write":
+    def _give(self, inner: _Acquirable, mode: LockMode) -> None:
+        """The one release path: clear the owner, then release."""
+        # mutant-site: give
+        if mode == "write" or self._exclusive_only:
             self._owner = None
         inner.release()
+
+    def _give_checked(self, inner: _Acquirable, mode: LockMode) -> None:
+        """Debug mode's release: forget the calling thread's record, then :meth:`_give`."""
+        held = _held_list()
+        for i in range(len(held) - 1, -1, -1):
+            if held[i][0] is self:
+                del held[i]
+                break
+        self._give(inner, mode)
 
     def _check_order(self, mode: LockMode) -> None:
         for lock, held_mode in _held_list():
@@ -457,7 +436,6 @@ class RWLock(_LockBase):
 
     kind: LockKind = "rw"
     _exclusive_only = False
-    inline_mutex: threading.Lock | None = None  # never taken inline (see MutexLock)
 
     def __init__(
         self, name: str, level: int, *, timeout: float | None = None, debug: bool | None = None
@@ -493,14 +471,14 @@ class RWLock(_LockBase):
         """As ``write().__enter__()``; release with :meth:`release_write`.
         Raises: LockTimeoutError, LockReentryError, LockOrderError."""
         writer = self._rw.gen_wlock()
-        self._acquire(writer, "write")
+        self._acquire(writer, "write", False)
         self._writer = writer
 
     def acquire_write_untimed(self) -> None:
         """As ``write_untimed().__enter__()``; release with :meth:`release_write`.
         Raises: LockReentryError, LockOrderError (debug mode)."""
         writer = self._rw.gen_wlock()
-        self._acquire(writer, "write", untimed=True)
+        self._acquire(writer, "write", True)
         self._writer = writer
 
     def release_write(self) -> None:
@@ -529,20 +507,45 @@ class MutexLock(_LockBase):
         self._mutex = _new_thread_lock()
         # A mutex guard carries no per-use state, so one instance per mode serves every use
         # and every thread (unlike readerwriterlock's generated lock objects).
-        guard = _Guard if self._debug else _FastMutexGuard  # debug: order/reentry checks
-        self._read_guard = guard(self, self._mutex, "read")
-        self._write_guard = guard(self, self._mutex, "write")
-        self._untimed_guard = guard(self, self._mutex, "write", untimed=True)
-        self._inline = not self._debug  # acquire_write* take _FastMutexGuard's inline path
-        # The raw mutex when the lock may be taken inline (not in debug mode), else None.
-        # For the hottest caller only (StagingContext.request_prefetch), which then does
-        # exactly acquire_write's steps: acquire(False); on success store the owner
-        # (threading.get_ident()) and count the write; on failure _acquire_contended (which
-        # counts the contention and waits); release with `_owner = None`, then release().
-        self.inline_mutex: threading.Lock | None = None if self._debug else self._mutex
+        self._read_guard = _Guard(self, self._mutex, "read")
+        self._write_guard = _Guard(self, self._mutex, "write")
+        self._untimed_guard = _Guard(self, self._mutex, "write", untimed=True)
 
     def _held_by_anyone(self) -> bool:
         return self._mutex.locked()
+
+    # acquire_write/release_write are the mutex's write path as plain methods: the steps of
+    # _take/_give for this one exclusive lock in one Python frame each (StagingContext's
+    # writers make ~10 a room; a partial around _take costs ~850 instructions more a pair, a
+    # `with` block ~1,200). Debug mode takes _take_checked/_give_checked instead.
+
+    def acquire_write(self) -> None:
+        """As ``write().__enter__()``; release with :meth:`release_write`.
+        Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        mutex = self._mutex
+        if self._debug:
+            self._take_checked(mutex, "write", False)
+            return
+        # mutant-site: acquire-write-try
+        if not mutex.acquire(False):
+            self._wait(mutex, "write", False)
+        self._owner = _get_ident()
+        self._writes += 1
+
+    def acquire_write_untimed(self) -> None:
+        """As ``write_untimed().__enter__()``; release with :meth:`release_write`.
+        Raises: LockReentryError, LockOrderError (debug mode)."""
+        self._acquire(self._mutex, "write", True)
+
+    def release_write(self) -> None:
+        """Release what :meth:`acquire_write`/:meth:`acquire_write_untimed` took. The caller
+        must hold it (as with ``__exit__``, this is not checked outside debug mode)."""
+        if self._debug:
+            self._give_checked(self._mutex, "write")
+            return
+        # mutant-site: release-write
+        self._owner = None
+        self._mutex.release()
 
     def read(self) -> _Guard:
         """Hold (exclusively). Raises: LockTimeoutError, LockReentryError, LockOrderError."""
@@ -556,45 +559,6 @@ class MutexLock(_LockBase):
         """Hold exclusively, ignoring ``timeout`` (waits as long as it takes).
         Raises: LockReentryError, LockOrderError (debug mode)."""
         return self._untimed_guard
-
-    # acquire_write*/release_write: the guard's two steps as plain methods, for the hottest
-    # callers (StagingContext's writers). A `with` block calls __enter__ and __exit__ from C,
-    # which costs about 1,200 more instructions per acquisition than two Python-level calls
-    # (measured with callgrind, CPython 3.11). The same owner, counters and contended path as
-    # _FastMutexGuard (or, in debug mode, as _Guard).
-
-    def acquire_write(self) -> None:
-        """As ``write().__enter__()``; release with :meth:`release_write`.
-        Raises: LockTimeoutError, LockReentryError, LockOrderError."""
-        mutex = self._mutex
-        if not self._inline:
-            self._acquire(mutex, "write")
-        elif mutex.acquire(False):
-            self._owner = _get_ident()
-            self._writes += 1
-        else:
-            self._acquire_contended(mutex, "write", untimed=False)
-
-    def acquire_write_untimed(self) -> None:
-        """As ``write_untimed().__enter__()``; release with :meth:`release_write`.
-        Raises: LockReentryError, LockOrderError (debug mode)."""
-        mutex = self._mutex
-        if not self._inline:
-            self._acquire(mutex, "write", untimed=True)
-        elif mutex.acquire(False):
-            self._owner = _get_ident()
-            self._writes += 1
-        else:
-            self._acquire_contended(mutex, "write", untimed=True)
-
-    def release_write(self) -> None:
-        """Release what :meth:`acquire_write`/:meth:`acquire_write_untimed` took. The caller
-        must hold it (as with ``__exit__``, this is not checked outside debug mode)."""
-        if self._inline:
-            self._owner = None
-            self._mutex.release()
-        else:
-            self._release(self._mutex, "write")
 
 
 LOCK_KINDS: tuple[LockKind, ...] = ("rw", "mutex")

@@ -98,14 +98,8 @@ with self._lock.write_untimed():  # ... and its keys and counters go in a second
 requests = state.requests
 if key in requests:
     return False
-if mutex is None:  # MUTANT: the lock is let go between the test and the add
-    lock.release_write()
-    lock.acquire_write()
-else:
-    lock._owner = None
-    mutex.release()
-    mutex.acquire()
-    lock._owner = _get_ident()
+lock.release_write()  # MUTANT: the lock is let go between the test and the add
+lock.acquire_write()
 requests.add(key)
 """,
         kind="race",
@@ -169,46 +163,59 @@ return _Guard(self, self._rw.gen_rlock(), "write")  # MUTANT: writers share the 
         stress=STAGING_STRESS,
     ),
     Mutant(
-        id="fast-mutex-guard-skips-wait",
+        id="mutex-contended-skips-wait",
         file="staging/locks.py",
-        site="enter",
-        statements=2,
+        site="take-try-acquire",
         replacement="""\
-return  # MUTANT: a contended acquisition goes on without the lock
+inner.acquire(False)  # MUTANT: a contended acquisition goes on without the lock
 """,
         kind="race",
-        description="the inline (non-debug) mutex guard enters without waiting when the lock "
-        "is taken: mutual exclusion is lost only under contention",
+        description="a try-acquire that fails goes on as if it had the lock: mutual exclusion "
+        "is lost only under contention",
         tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(
-        id="fast-guard-owner-cleared-after-release",
+        id="owner-cleared-after-release",
         file="staging/locks.py",
-        site="exit",
+        site="give",
         statements=2,
         replacement="""\
-self._inner.release()  # MUTANT: the lock is let go before the owner is cleared ...
-self._lock._owner = None  # ... which can erase the next holder's own entry
+inner.release()  # MUTANT: the lock is let go before the owner is cleared ...
+if mode == "write" or self._exclusive_only:
+    self._owner = None  # ... which can erase the next holder's own entry
 """,
         kind="race",
-        description="the inline mutex guard releases before clearing the owner: under "
-        "contention it erases the next holder's ownership (assert_held fails in the holder)",
+        description="the release lets the lock go before clearing the owner: under contention "
+        "it erases the next holder's ownership (assert_held fails in the holder)",
         tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),
     Mutant(
-        id="inline-request-owner-cleared-after-release",
-        file=CONTEXT,
-        site="request-prefetch-set-owner",
-        statements=2,
+        id="mutex-acquire-write-skips-wait",
+        file="staging/locks.py",
+        site="acquire-write-try",
         replacement="""\
-mutex.release()  # MUTANT: request_prefetch's inline release, owner cleared late
-lock._owner = None
+mutex.acquire(False)  # MUTANT: a contended acquire_write goes on without the lock
 """,
         kind="race",
-        description="request_prefetch's inline mutex release clears the owner after letting "
-        "the lock go: another holder's ownership is erased (the lock's own code is intact)",
+        description="MutexLock.acquire_write (the context writers' path) goes on when its "
+        "try-acquire fails: mutual exclusion is lost only under contention",
+        tests=("tests/staging/test_locks.py", *STAGING_TESTS),
+        stress=STAGING_STRESS,
+    ),
+    Mutant(
+        id="mutex-release-write-owner-cleared-after",
+        file="staging/locks.py",
+        site="release-write",
+        statements=2,
+        replacement="""\
+self._mutex.release()  # MUTANT: release_write lets the mutex go before clearing the owner
+self._owner = None
+""",
+        kind="race",
+        description="MutexLock.release_write clears the owner after letting the mutex go: it "
+        "can erase the next holder's ownership",
         tests=("tests/staging/test_locks.py", *STAGING_TESTS),
         stress=STAGING_STRESS,
     ),

@@ -27,7 +27,7 @@ own, contending for the same lock, and every round's history must be linearizabl
 
 The context has ``--lock``'s kind (rw or mutex: nothing here depends on which) and is in
 lock debug mode on even seeds only (:func:`debug_locks`): odd seeds race the library's default
-configuration, whose inline lock paths debug mode bypasses. ``tests/staging/test_races.py``
+configuration (debug off). ``tests/staging/test_races.py``
 runs the scenario with each kind in each mode.
 
 Test-only planted bugs (``config.plant_bug``), each of which must fail the run:
@@ -126,9 +126,7 @@ class _RacyContext(StagingContext):
 def debug_locks(config: StressConfig) -> bool:
     """Whether a run builds its context in lock debug mode: on even seeds (re-entry and
     lock-order checks, ``lock-order``), and always for the planted ``reentry``; odd seeds run
-    the library's own default, debug off, whose inline acquisition paths (the mutex guard,
-    ``request_prefetch``'s inline mutex) debug mode bypasses. The lock kind is
-    ``--lock``'s, whichever it is."""
+    the library's own default, debug off. The lock kind is ``--lock``'s, whichever it is."""
     return config.seed % 2 == 0 or config.plant_bug == "reentry"
 
 

@@ -6,8 +6,6 @@ Like CPython's ``lock_tests.py``, the same suite is rerun per lock kind: ``lock=
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from staging import (
@@ -29,7 +27,7 @@ def ctx(request: pytest.FixtureRequest) -> StagingContext:
 def test_open_returns_frozen_handle(ctx: StagingContext) -> None:
     h = ctx.open_room(7)
     assert h == RoomHandle(7, h.generation)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         h.room = 8  # type: ignore[misc]
     assert ctx.is_open(7) and ctx.is_open(h)
     assert ctx.open_rooms == frozenset({7})
@@ -149,7 +147,7 @@ def test_stats_are_frozen_and_consistent(ctx: StagingContext) -> None:
     ctx.request_prefetches(h, range(4), "d0")
     ctx.mark_prefetched(h)
     s = ctx.stats()
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         s.open_rooms = 0  # type: ignore[misc]
     assert (s.open_rooms, s.prefetched_rooms, s.requested_keys, s.rooms_opened) == (1, 1, 4, 1)
     assert s.lock.kind == ctx.lock_kind

@@ -289,8 +289,6 @@ class _NoLock:
     def write_untimed(self) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
-    inline_mutex = None  # the context's inline acquisition falls back to these three:
-
     def acquire_write(self) -> None:
         return None
 

@@ -29,7 +29,7 @@ from staging.locks import (
     LOCK_KINDS,
     LockMode,
     MutexLock,
-    _FastMutexGuard,
+    _Guard,
     held_locks,
 )
 
@@ -235,17 +235,10 @@ def test_make_lock_rejects_bad_arguments() -> None:
         make_lock("rw", "t", 1, timeout=0)
 
 
-def test_contract_suite_runs_on_the_fast_mutex_guard(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tests above build locks without ``debug``: a non-debug mutex there uses the inline
-    guard (``_FastMutexGuard``), debug mode the full one, so both are under the contract."""
-    from staging.locks import _FastMutexGuard, _Guard
-
+def test_non_debug_mutex_keeps_owner_and_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library default (a mutex, debug off) records its holder and counts as debug does."""
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     fast = make_lock("mutex", "t", 1)
-    full = make_lock("mutex", "t", 1, debug=True)
-    assert all(type(g) is _FastMutexGuard for g in (fast.read(), fast.write()))
-    assert all(type(g) is _Guard for g in (full.read(), full.write()))
-    # The inline path keeps the same counters and owner as the full one.
     with fast.write():
         fast.assert_held("write")
     with fast.read():
@@ -301,9 +294,9 @@ def test_acquire_write_times_out_like_the_guard(kind: str) -> None:
 #
 # The contract (docs/THREADING.md, "The lock model"): ``assert_held(mode)`` raises
 # LockNotHeldError "unless the calling thread holds this lock in mode"; outside debug mode a
-# MutexLock's inline guard "writes the owner and its counter, as the full path does". So,
-# whatever path took the lock (the inline guard, acquire_write/release_write, the contended
-# path, a StagingContext writer that takes it inline): while a thread holds it -- also while
+# MutexLock's holder "writes the owner and its counter" on every path. So, whatever path
+# took the lock (a guard, acquire_write/release_write, the contended path, a StagingContext
+# writer): while a thread holds it -- also while
 # others wait for it -- that thread's assert_held passes, and a thread that does not hold it
 # never passes. Two checks:
 # - ownership_violations: several threads take the lock through every path; a holder stays
@@ -355,7 +348,7 @@ def _hold(lock: MutexLock, path: str) -> Iterator[None]:
 def _take_through_context(
     ctx: StagingContext, handle: RoomHandle, path: str, rng: random.Random
 ) -> None:
-    """One StagingContext writer (each takes the context's lock, request_prefetch inline)."""
+    """One StagingContext writer (each takes the context's lock)."""
     chunk = rng.randrange(4)
     if path == "request_prefetch":
         ctx.request_prefetch(handle, chunk, "d0")
@@ -572,12 +565,12 @@ def test_owner_is_the_holder_under_contention(
     through: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The random ownership check on the non-debug mutex (the library default), alone and as
-    a StagingContext's lock with its writers (request_prefetch takes it inline) in the mix."""
+    a StagingContext's lock with its writers in the mix."""
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     seed = _ownership_seed()
     ctx = StagingContext(lock="mutex") if through == "context" else None
     lock = ctx.lock if ctx is not None else make_lock("mutex", "t", 1)
-    assert isinstance(lock, MutexLock) and lock.inline_mutex is not None  # the inline paths
+    assert isinstance(lock, MutexLock) and not lock.debug
     violations, waited = ownership_violations(lock, seed, ctx)
     assert violations == []
     assert waited > 0, "no holder ever saw a contender: the check proved nothing"
@@ -595,9 +588,9 @@ def test_owner_is_the_holder_at_every_step_of_a_handover(
     assert handovers > 0, "the second thread never took the lock mid-way: proved nothing"
 
 
-class _OwnerClearedAfterRelease(_FastMutexGuard):
-    """PLANTED BUG: the inline guard lets the lock go before it clears the owner, so it can
-    clear the owner that the next holder has just written."""
+class _OwnerClearedAfterRelease(_Guard):
+    """PLANTED BUG: the guard lets the lock go before it clears the owner, so it can clear
+    the owner that the next holder has just written."""
 
     __slots__ = ()
 
@@ -606,20 +599,18 @@ class _OwnerClearedAfterRelease(_FastMutexGuard):
         self._lock._owner = None
 
 
-class _OwnerWrittenBeforeAcquire(_FastMutexGuard):
-    """PLANTED BUG: the inline guard writes the owner before it has the lock, so a contender
+class _OwnerWrittenBeforeAcquire(_Guard):
+    """PLANTED BUG: the guard writes the owner before it has the lock, so a contender
     overwrites the owner of the thread that holds it."""
 
     __slots__ = ()
 
     def __enter__(self) -> None:
-        lock = self._lock
-        lock._owner = threading.get_ident()
-        if not self._inner.acquire(False):
-            lock._acquire_contended(self._inner, self._mode, untimed=self._untimed)
+        self._lock._owner = threading.get_ident()
+        super().__enter__()
 
 
-def _plant(lock: MutexLock, guard_class: type[_FastMutexGuard]) -> None:
+def _plant(lock: MutexLock, guard_class: type[_Guard]) -> None:
     for name in ("_read_guard", "_write_guard", "_untimed_guard"):
         guard = getattr(lock, name)
         planted = guard_class(lock, guard._inner, guard._mode)
