@@ -1,29 +1,12 @@
 """Prometheus metrics of a sender (the optional ``metrics`` extra: ``prometheus-client``).
 
-* :class:`SenderCollector` — a custom collector that reads, at each scrape, the ``stats()``
-  of a :class:`~sender.manager.KVManager`, a :class:`~sender.transport.NixlTransport`, a
-  :class:`~staging.context.StagingContext` (with its lock) and a
-  :class:`~staging.buffers.StagingBufferPool`, any of them optional, and exposes counters
-  (``_total``) and gauges named by Prometheus conventions (base units in names).
-* :class:`LatencyHistograms` — a :class:`~sender.events.ManagerEvents` listener: room latency
-  (open -> conclusion) and chunk latency (start -> end) histograms by outcome, and rooms by
-  outcome and reason code as counters.
+* :class:`SenderCollector`: at each scrape, reads the ``stats()`` of a manager, transport,
+  staging context (and its lock) and slot pool, each optional; never calls into NIXL.
+* :class:`LatencyHistograms`: a :class:`~sender.events.ManagerEvents` listener (room and
+  chunk latency by outcome, rooms by outcome and reason code).
 
-Every metric name, label and meaning is listed in docs/METRICS.md. Usage::
-
-    from prometheus_client import CollectorRegistry, generate_latest
-    registry = CollectorRegistry()
-    registry.register(SenderCollector.from_manager(mgr))
-    events = LatencyHistograms(registry)          # pass to the manager as its listener
-    text = generate_latest(registry)              # or prometheus_client.start_http_server
-
-Reading ``stats()`` takes each object's lock for a moment (a read lock where it has one); a
-scrape never calls into NIXL. A source whose ``stats()`` raises (e.g. a transport closed
-under the scrape) is left out of that scrape and counted in
-``nixl_staging_scrape_errors_total{source}``; the scrape itself does not fail.
-
-Importing this module without ``prometheus_client`` raises :class:`ModuleNotFoundError`
-naming the extra.
+Names, labels, meanings and usage: docs/METRICS.md. Without ``prometheus_client``, importing
+this module raises :class:`ModuleNotFoundError` naming the extra.
 """
 
 from __future__ import annotations
@@ -69,8 +52,7 @@ CHUNK_BUCKETS_S: tuple[float, ...] = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
     0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
-"""Chunk latency buckets (seconds): a 64 KiB write takes tens of µs here, a hung one its
-transfer deadline (30 s by default)."""
+"""Chunk latency buckets (seconds): from a small write's tens of µs to a transfer deadline."""
 
 _LABEL_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _OTHER = "other"
@@ -135,25 +117,19 @@ class _Families:
 
 
 class SenderCollector:
-    """A Prometheus collector over the ``stats()`` of a sender's parts (see the module doc).
+    """A Prometheus collector over the ``stats()`` of a sender's parts (each optional).
 
     Args:
-        manager: A ``KVManager`` (``ManagerStats``), or ``None``.
-        transport: A ``NixlTransport`` (``TransportStats``), or ``None``.
-        staging: A ``StagingContext`` (``StagingStats``, its lock's ``LockStats``), or
-            ``None``.
-        pool: A ``StagingBufferPool`` (``PoolStats``), or ``None``.
-        locks: More locks of the model (``staging.locks``: anything whose ``stats()`` is a
-            ``LockStats``) whose acquisitions and contention to expose.
-        labels: Constant labels added to every sample (e.g. ``{"engine": "prefill-0"}``) to
-            tell several senders of one process apart.
+        manager: A ``KVManager``, or ``None``.
+        transport: A ``NixlTransport``, or ``None``.
+        staging: A ``StagingContext`` (its lock's stats too), or ``None``.
+        pool: A ``StagingBufferPool``, or ``None``.
+        locks: More locks of the model (anything whose ``stats()`` is a ``LockStats``).
+        labels: Constant labels added to every sample (e.g. ``{"engine": "prefill-0"}``).
         namespace: Metric name prefix.
 
-    Fields a ``stats()`` does not have (yet) are left out, never reported as 0.
-
-    Thread-safety: ``collect()`` may run on any thread (the scrape's), concurrently with the
-    sender's threads and with another ``collect()``. ``_lock`` guards the scrape-error
-    counts only.
+    Thread-safety: ``collect()`` may run on any thread, also beside another ``collect()``.
+    ``_lock`` guards the scrape-error counts only.
 
     Raises:
         TypeError: A source has no callable ``stats``; a label value is not a ``str``.
@@ -199,8 +175,8 @@ class SenderCollector:
         labels: Mapping[str, str] | None = None,
         namespace: str = NAMESPACE,
     ) -> SenderCollector:
-        """A collector over ``manager`` and the parts it holds: its ``transport``, its
-        ``staging`` context and its ``staging_pool`` (when it has one).
+        """A collector over ``manager`` and its ``transport``, ``staging`` and
+        ``staging_pool``.
 
         Raises:
             TypeError, ValueError: as the constructor.
@@ -230,8 +206,8 @@ class SenderCollector:
             return None
 
     def collect(self) -> Iterator[Metric]:
-        """The metric families of one scrape (called by the registry). Raises: nothing
-        from the sources (a failing ``stats()`` is counted, see :meth:`scrape_errors`)."""
+        """The metric families of one scrape. Raises: nothing from the sources (a failing
+        ``stats()`` is left out and counted, :meth:`scrape_errors`)."""
         f = _Families(self._namespace, self._labels)
         self._manager_metrics(f, self._stats(self._manager, "manager"))
         self._transport_metrics(f, self._stats(self._transport, "transport"))
@@ -417,27 +393,19 @@ def _check_buckets(buckets: Sequence[float], what: str) -> tuple[float, ...]:
 
 
 class LatencyHistograms:
-    """A :class:`~sender.events.ManagerEvents` listener that feeds Prometheus metrics:
-
-    * ``nixl_staging_room_duration_seconds{outcome}`` — open -> conclusion;
-    * ``nixl_staging_chunk_duration_seconds{outcome}`` — chunk start -> end;
-    * ``nixl_staging_room_outcomes_total{outcome,code}`` — rooms by outcome and reason code;
-    * ``nixl_staging_chunk_bytes_total{outcome}`` — chunk payload bytes by outcome.
-
-    An outcome or code outside the documented sets is counted as ``"other"`` (label values
-    stay a small, fixed set); a negative latency counts as 0, a non-finite one is not
-    observed (the counters still count the event).
+    """A :class:`~sender.events.ManagerEvents` listener feeding room and chunk latency
+    histograms, rooms by outcome and code, and chunk bytes (docs/METRICS.md). An unknown
+    outcome or code counts as ``"other"``; a non-finite latency is not observed.
 
     Args:
         registry: Where the metrics are registered (``None``: prometheus_client's default
-            ``REGISTRY``). Two instances cannot share one registry (duplicate names).
+            ``REGISTRY``). Two instances cannot share one registry.
         room_buckets: Room latency bucket bounds, seconds (increasing, > 0).
         chunk_buckets: Chunk latency bucket bounds, seconds.
-        labels: Constant labels added to every sample (as :class:`SenderCollector`'s).
+        labels: Constant labels added to every sample.
         namespace: Metric name prefix.
 
-    Thread-safety: both methods may be called from any number of threads at once
-    (prometheus_client's metrics are thread-safe); they take no lock of the sender.
+    Thread-safety: both methods are safe from any threads at once; no lock of the sender.
 
     Raises:
         ValueError: Bad buckets or label names, or the names are already registered in
@@ -496,8 +464,7 @@ class LatencyHistograms:
             self.room_seconds.labels(*self._const, outcome).observe(max(0.0, seconds))
 
     def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
-        """Count and time one chunk end (the session is not a label: unbounded values).
-        Thread-safe; raises nothing for any values."""
+        """Count and time one chunk end. Thread-safe; raises nothing for any values."""
         outcome = outcome if outcome in CHUNK_OUTCOMES else _OTHER
         if nbytes > 0:
             self.chunk_bytes.labels(*self._const, outcome).inc(nbytes)
