@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -108,15 +108,7 @@ class RegionInfo:
     device_id: int
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "base_addr": self.base_addr,
-            "nbytes": self.nbytes,
-            "page_bytes": self.page_bytes,
-            "num_pages": self.num_pages,
-            "mem_type": self.mem_type,
-            "device_id": self.device_id,
-        }
+        return asdict(self)  # every field, in declaration order (docs/PROTOCOL.md)
 
     @classmethod
     def from_json(cls, obj: Any) -> RegionInfo:
@@ -861,18 +853,12 @@ class NixlTransport:
             return
         for region in regions:
             _release_prepped(agent, region.prepped)
-            try:
-                agent.deregister_memory(region.reg_descs, ["UCX"])
-            except Exception as exc:
-                logger.warning("deregistering region %r failed: %s", region.info.name, exc)
+            _deregister(agent, region)
         for peer in done:
             for handle in peer.prepped.values():
                 _release_prepped(agent, handle)
         for name in sorted(last):
-            try:
-                agent.remove_remote_agent(name)
-            except Exception as exc:
-                logger.warning("removing remote agent %r failed: %s", name, exc)
+            _remove_remote_agent(agent, name)
 
     def has_peer(self, session_id: str) -> bool:
         """True if ``session_id`` is currently added. Safe from any thread."""
@@ -1020,9 +1006,11 @@ class NixlTransport:
             src_list: list[int] = src.tolist()
             dst_list: list[int] = dst.tolist()
             if min(src_list) < 0 or max(src_list) >= li.num_pages:
-                _check_range_list(src_list, li.num_pages, "src_pages", src_region)
+                _check_bounds(min(src_list), max(src_list), li.num_pages, "src_pages", src_region)
             if min(dst_list) < 0 or max(dst_list) >= remote.num_pages:
-                _check_range_list(dst_list, remote.num_pages, "dst_pages", dst_region)
+                _check_bounds(
+                    min(dst_list), max(dst_list), remote.num_pages, "dst_pages", dst_region
+                )
             if n > 1 and len(set(dst_list)) != n:
                 raise TransportParamError("dst_pages contains duplicates")
             src_idx, dst_idx = src_list, dst_list
@@ -1227,15 +1215,9 @@ class NixlTransport:
                     if isinstance(leaked, list):  # the wrapper frees these when destroyed
                         leaked.append(handle)
             for remote in remote_agents:
-                try:
-                    agent.remove_remote_agent(remote)
-                except Exception as exc:
-                    logger.warning("removing remote agent %r failed: %s", remote, exc)
+                _remove_remote_agent(agent, remote)
             for region in regions:
-                try:
-                    agent.deregister_memory(region.reg_descs, ["UCX"])
-                except Exception as exc:
-                    logger.warning("deregistering region %r failed: %s", region.info.name, exc)
+                _deregister(agent, region)
             with self._lock:
                 self._peers.clear()
                 self._retired_peers.clear()
@@ -1390,6 +1372,22 @@ def _release_prepped(agent: Any, handle: Any) -> None:
         logger.warning("releasing a prepared descriptor list failed: %s", exc)
 
 
+def _deregister(agent: Any, region: _LocalRegion) -> None:
+    """Deregister ``region``'s memory from NIXL. Never raises (a failure is logged)."""
+    try:
+        agent.deregister_memory(region.reg_descs, ["UCX"])
+    except Exception as exc:
+        logger.warning("deregistering region %r failed: %s", region.info.name, exc)
+
+
+def _remove_remote_agent(agent: Any, name: str) -> None:
+    """Make NIXL forget remote agent ``name``. Never raises (a failure is logged)."""
+    try:
+        agent.remove_remote_agent(name)
+    except Exception as exc:
+        logger.warning("removing remote agent %r failed: %s", name, exc)
+
+
 def _rows_for(
     li: RegionInfo,
     remote: RegionInfo,
@@ -1421,10 +1419,6 @@ def _rows_for(
 
 _SMALL_WRITE = 16
 """Writes of at most this many pages are validated with Python lists (cheaper)."""
-
-
-def _check_range_list(values: list[int], num_pages: int, what: str, region: str) -> None:
-    _check_bounds(min(values), max(values), num_pages, what, region)
 
 
 def _check_bounds(lo: int, hi: int, num_pages: int, what: str, region: str) -> None:
