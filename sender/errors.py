@@ -169,13 +169,20 @@ class KVTransferError(RuntimeError):
         self.chunk_idx = chunk_idx
 
     _headline = "KV transfer failed"
+    _pickled: tuple[tuple[str, ...], tuple[str, ...]] = (
+        ("room", "reason", "is_from_another_rank"),
+        ("generation", "session_id", "chunk_idx"),
+    )
+    """The attributes pickling passes back to the constructor: (positional, keyword)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
+        args, kwargs = self._pickled
         return (
-            _rebuild_kv_error,
+            _rebuild,
             (
-                type(self), self.room, self.reason, self.is_from_another_rank,
-                self.generation, self.session_id, self.chunk_idx,
+                type(self),
+                tuple(getattr(self, a) for a in args),
+                {k: getattr(self, k) for k in kwargs},
             ),
         )
 
@@ -200,6 +207,7 @@ class ConcurrentSenderUseError(KVTransferError):
     """
 
     _headline = "NixlKVSender used from two threads at once"
+    _pickled = ("room", "method", "thread", "other_method", "other_thread"), ("generation",)
 
     def __init__(
         self,
@@ -223,42 +231,12 @@ class ConcurrentSenderUseError(KVTransferError):
         self.other_method = other_method
         self.other_thread = other_thread
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _rebuild_concurrent_use,
-            (
-                self.room, self.method, self.thread, self.other_method, self.other_thread,
-                self.generation,
-            ),
-        )
 
-
-def _rebuild_concurrent_use(
-    room: int,
-    method: str,
-    thread: str,
-    other_method: str,
-    other_thread: str,
-    generation: int | None,
-) -> ConcurrentSenderUseError:
-    return ConcurrentSenderUseError(
-        room, method, thread, other_method, other_thread, generation=generation
-    )
-
-
-def _rebuild_kv_error(
-    cls: type[KVTransferError],
-    room: int,
-    reason: str,
-    is_from_another_rank: bool,
-    generation: int | None,
-    session_id: str | None,
-    chunk_idx: int | None,
+def _rebuild(
+    cls: type[KVTransferError], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> KVTransferError:
-    return cls(
-        room, reason, is_from_another_rank, generation=generation, session_id=session_id,
-        chunk_idx=chunk_idx,
-    )
+    """Unpickle a :class:`KVTransferError` (of any subclass): ``cls(*args, **kwargs)``."""
+    return cls(*args, **kwargs)
 
 
 def _nixl_classes(*names: str) -> tuple[type[BaseException], ...]:
