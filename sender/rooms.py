@@ -883,23 +883,6 @@ class RoomTable:
                  self.nbytes(chunk))
             )
 
-    def complete_unposted(self, chunks: Sequence[Chunk]) -> None:
-        """Chunks with no page to send (all in the decode prefix) are done at once."""
-        if not chunks:
-            return
-        after = After()
-        with self.lock.write():
-            for chunk in chunks:
-                entry = self.live_locked(chunk.handle, count=True)
-                if entry is None:
-                    self.counts["chunks_skipped"] += 1
-                    continue
-                entry.jobs_done += 1
-                self.counts["chunks_done"] += 1
-                self.maybe_succeed_locked(entry, after)
-            self.seal_locked(after)
-        self.publish(after)
-
     def slot_failed(self, chunk: Chunk, exc: BaseException) -> None:
         """No staging slot for ``chunk``: fail its room; the chunk ends failed (or skipped)."""
         after = After()
