@@ -281,7 +281,7 @@ class ChunkPipeline:
             return 0
         self._log_posts(chunks)
         if ends:
-            self._end_many_safely(ends)
+            self.end_many(ends)
         return len(chunks)
 
     def _enqueue_each(self, chunks: list[Chunk]) -> None:
@@ -323,7 +323,7 @@ class ChunkPipeline:
             return []
         self._log_posts(unit)
         if ends:
-            self._end_many_safely(ends)
+            self.end_many(ends)
         return [c for c in unit if not c.ended]
 
     def _stage(self, entry: RoomEntry, unit: list[Chunk]) -> list[Chunk]:
@@ -669,17 +669,14 @@ class ChunkPipeline:
             raise error
         return len(claimed)
 
-    def _end_many_safely(self, ends: Sequence[_End]) -> int:
-        """:meth:`_end_many` that never raises (a release error fails the room)."""
+    def end_many(self, ends: Sequence[_End]) -> int:
+        """:meth:`_end_many` that never raises (a release error fails the room); how many
+        it claimed."""
         try:
             return self._end_many(ends)
         except BaseException as exc:
             self.rooms.internal_error(ends[0][0], exc, chunk_ends=False)
             return 0
-
-    def end_many(self, ends: Sequence[_End]) -> int:
-        """Public :meth:`_end_many` that never raises; how many it claimed."""
-        return self._end_many_safely(ends)
 
     # ------------------------------------------------------------------ sweeps, draining
 
@@ -758,7 +755,7 @@ class ChunkPipeline:
         # mutant-site: abandon-draining
         unknowable = [c for c in left if getattr(c.transfer, "settled", None) is None]
         if unknowable:
-            self._end_many_safely([(c, None, True, False) for c in unknowable])
+            self.end_many([(c, None, True, False) for c in unknowable])
         return len(left)
 
     # ------------------------------------------------------------------ workers
@@ -829,7 +826,7 @@ class ChunkPipeline:
                              posted_at, chunk),
                         )
             if ends:
-                self._end_many_safely(ends)
+                self.end_many(ends)
             return len(still) < len(due)
         finally:
             self._pass_claim.release()
