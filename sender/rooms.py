@@ -985,28 +985,23 @@ class RoomTable:
                     counts["chunks_drained"] += 1
                     if released:
                         counts["chunks_released_by_transport"] += 1
-                    if events:
-                        after.ended.append(
-                            (chunk.session_id, "drained", now - chunk.made_at, nbytes(chunk))
-                        )
-                    continue
-                if exc is None:
+                    outcome = "drained"
+                elif exc is None:
                     entry.jobs_done += 1
                     counts["chunks_done"] += 1
                     if entry.last_chunk_seen and entry.jobs_done == entry.jobs_total:
                         self.maybe_succeed_locked(entry, after)
-                    if events:
-                        after.ended.append(
-                            (chunk.session_id, "done", now - chunk.made_at, nbytes(chunk))
-                        )
-                    continue
-                counts["chunks_failed"] += 1
+                    outcome = "done"
+                else:
+                    counts["chunks_failed"] += 1
+                    outcome = "failed"
                 if events:
                     after.ended.append(
-                        (chunk.session_id, "failed", now - chunk.made_at, nbytes(chunk))
+                        (chunk.session_id, outcome, now - chunk.made_at, nbytes(chunk))
                     )
-                if already_failed:
+                if outcome != "failed" or already_failed:
                     continue
+                assert exc is not None
                 room = handle.room
                 if released:
                     counts["chunks_released_by_transport"] += 1
