@@ -1,14 +1,8 @@
 """NIXL KV sender: transport, manager and per-room sender (see docs/THREADING.md).
 
-The sender needs the ``sender`` extra (torch, numpy and nixl): ``pip install '.[sender]'``
-in a clone of nixl-staging (not on a package index yet). The core install (the staging
-layer) does not bring them; without them, importing this package raises
-:class:`ModuleNotFoundError` whose message is one line naming the extra and that command,
-before any submodule fails on its own imports.
-
-The names a sender needs are importable from here (``from sender import KVManager,
-NixlKVSender, KVPoll, NixlTransport, make_transfer_info``); each is imported from its module
-on first use, so ``import sender`` itself stays cheap (no torch, no NIXL agent).
+Needs the ``sender`` extra (torch, numpy, nixl); without it, importing this package raises a
+one-line :class:`ModuleNotFoundError` naming the extra. The public names (``from sender
+import KVManager, NixlKVSender, ...``) are imported lazily, so ``import sender`` is cheap.
 """
 
 from __future__ import annotations
@@ -48,8 +42,7 @@ _EXPORTS = {
 """Public name -> the module that defines it (imported lazily by :func:`__getattr__`)."""
 
 _MOVED = {"DecodePeer": "stress.harness.peer", "PeerProcess": "stress.harness.peer"}
-"""Deprecated names -> their module now: the decode peer is test harness, not the sender.
-``sender.DecodePeer`` still resolves, with a :class:`DeprecationWarning`."""
+"""Deprecated names -> their module now (resolved with a :class:`DeprecationWarning`)."""
 
 __all__ = [  # a literal, for linters; == the two constants, __version__ and _EXPORTS
     "EXTRA_MODULES",
@@ -98,9 +91,8 @@ EXTRA_MODULES = ("torch", "numpy", "nixl")
 """The top-level modules that only the ``sender`` extra installs."""
 
 NIXL_BACKENDS = ("nixl_cu13", "nixl_cu12")
-"""NIXL's backend modules, each in a wheel of its own; ``nixl`` (the meta package) picks one.
-Either stands for ``nixl`` where the meta package is not installed (the ``sender-cu13`` and
-``sender-cu12`` extras install one backend instead of both, ~210 MB less)."""
+"""NIXL's backend modules; either stands for ``nixl`` where the meta package is not
+installed (the ``sender-cu13``/``sender-cu12`` extras install one backend only)."""
 
 
 def _installed(module: str) -> bool:

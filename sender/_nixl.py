@@ -1,26 +1,13 @@
-"""The one place in the package that imports NIXL.
+"""The one place in the package that imports NIXL, containing its process-wide side effects.
 
-Importing ``nixl`` has two process-wide side effects that we contain here:
+* ``NIXL_LOG_LEVEL`` defaults to ``WARN`` before the import (else NIXL logs INFO to stdout).
+* ``logging.raiseExceptions``, which the import sets to False, is restored afterwards.
+* ``NIXL_STAGING_NIXL_BACKEND`` (set by ``PeerProcess`` for its children) names the backend
+  module to import directly, skipping the meta package's CUDA probe (~2 s with torch).
+* Without the ``nixl`` meta package, the first installed of :data:`sender.NIXL_BACKENDS`.
 
-* its logging setup prints INFO lines to **stdout** unless ``NIXL_LOG_LEVEL`` is set, so we
-  default the variable to ``WARN`` before the import (an explicit user setting wins);
-* it sets ``logging.raiseExceptions = False`` for the whole process, so we save the value
-  before the import and restore it afterwards.
-
-``import nixl`` is a meta package: it picks the backend wheel (``nixl_cu13``, ``nixl_cu12``,
-...) by probing CUDA, and with a CPU-only torch that probe imports torch (~2 s). A process
-that already knows which backend its parent resolved can name it in the environment variable
-``NIXL_STAGING_NIXL_BACKEND`` (``PeerProcess`` does this for its children), and we import
-that backend module directly — the same classes, without the probe.
-
-Without the meta package (an install of one backend wheel: the ``sender-cu13`` or
-``sender-cu12`` extra) the first installed of :data:`sender.NIXL_BACKENDS` is imported
-directly, as the meta package does where it finds no CUDA.
-
-Every other module gets NIXL through the names below. When NIXL cannot be imported
-(``AVAILABLE`` is False) the names are ``None`` and :data:`IMPORT_ERROR` holds the reason;
-``sender.errors`` still imports, and :class:`sender.transport.NixlTransport` raises a clear
-error on construction.
+When NIXL cannot be imported the names below are ``None``, ``AVAILABLE`` is False and
+:data:`IMPORT_ERROR` holds the reason; :class:`sender.transport.NixlTransport` then raises.
 """
 
 from __future__ import annotations
@@ -59,9 +46,7 @@ nixl_thread_sync_t: Any
 IMPORT_ERROR: BaseException | None
 
 def _installed_backend(missing: ModuleNotFoundError) -> str:
-    """The first of :data:`sender.NIXL_BACKENDS` that is installed, for an install without
-    the ``nixl`` meta package (the ``sender-cu13``/``sender-cu12`` extras: one backend wheel
-    instead of both). Raises: ``missing`` when none is."""
+    """The first installed of :data:`sender.NIXL_BACKENDS`. Raises: ``missing`` when none is."""
     for name in NIXL_BACKENDS:
         try:
             if importlib.util.find_spec(name) is not None:
@@ -104,9 +89,7 @@ BACKEND_MODULE: str = bindings.__name__.rpartition(".")[0] if bindings is not No
 
 
 def require() -> ModuleType:
-    """Return the NIXL bindings module.
-
-    Thread-safety: safe from any thread (reads module constants only).
+    """Return the NIXL bindings module. Safe from any thread.
 
     Raises:
         ImportError: NIXL could not be imported in this process; chained to the original error.

@@ -1,11 +1,6 @@
 """Debug mode's check that one sender's scheduler-thread methods are used by one thread at a
-time (``docs/THREADING.md``, "Two threads on one sender").
-
-:class:`OneThreadCheck` notices an *overlap*: a second thread entering while a first one is
-still inside. Handing a sender from one thread to another between calls is not an overlap,
-and a thread re-entering a method (a listener callback calling ``poll()`` from inside
-``send()``) is not either. Outside debug mode a sender makes none of this (its ``_one_thread``
-is ``None``: the whole cost is that attribute check).
+time (docs/THREADING.md, "Two threads on one sender"). An overlap is a second thread
+entering while another is inside; a hand-over between calls or a re-entry is not.
 """
 
 from __future__ import annotations
@@ -18,10 +13,7 @@ __all__ = ["OneThreadCheck", "thread_label"]
 
 
 def thread_label(thread: threading.Thread) -> str:
-    """``'name' (id N)``: a thread's name and id, as the error message names them.
-
-    Thread-safety: pure function of the thread's (read-only here) attributes.
-    """
+    """``'name' (id N)``: a thread's name and id, as the error message names them."""
     return f"{thread.name!r} (id {thread.ident})"
 
 
@@ -32,8 +24,8 @@ class OneThreadCheck:
         room: the sender's room id (for the error message).
         generation: the sender's opening (for the error message).
 
-    Thread-safety: every method is safe from any thread (one small lock of its own, held for
-    a few attribute reads and writes, never while calling out).
+    Thread-safety: every method is safe from any thread; ``_lock`` guards the owner, method
+    and depth, never held while calling out.
     """
 
     __slots__ = ("_depth", "_generation", "_lock", "_method", "_owner", "_room")

@@ -1,11 +1,9 @@
 """A :class:`Chunk`: one chunk of one room bound for one decode session, from ``send`` until
-it *ends* -- the unit the chunk pipeline stages, posts, polls and ends.
+it ends.
 
-A chunk is registered in its room entry's ``inflight`` while the room is open and it is being
-posted or in flight, in the room table's ``draining`` after the room's purge, and in neither
-once it ended. It ends exactly once: the thread that wins its claim (a non-blocking acquire,
-an atomic test-and-set that is never released) alone releases its transfer and slot and does
-its accounting, whichever thread saw the terminal state first.
+While in flight it is in its room entry's ``inflight`` (open room) or the room table's
+``draining`` (purged room). It ends exactly once: the thread that wins its claim (a
+non-blocking acquire, never released) alone releases its transfer and slot and accounts it.
 """
 
 from __future__ import annotations
@@ -26,10 +24,8 @@ PageArray = npt.NDArray[np.int64]
 
 
 class TransferLike(Protocol):
-    """What the pipeline needs of a transport transfer (``settled()``, when a transfer has
-    it, tells whether a write that timed out can still move bytes; without it a timed-out
-    transfer counts as settled; ``done``, when it has it, says the write completed inside
-    its post)."""
+    """What the pipeline needs of a transfer. Optional: ``settled()`` (may a timed-out write
+    still move bytes; absent: settled) and ``done`` (completed inside its post)."""
 
     def poll(self) -> str: ...
 
@@ -39,11 +35,9 @@ class TransferLike(Protocol):
 class Chunk:
     """One chunk of one room for one session, and what became of it.
 
-    The job fields (``handle`` .. ``dst_checked``) are set when the chunk is made (under the
-    room lock, by ``send``) and never change. ``transfer`` and ``slot`` are set by the thread
-    that stages and posts the chunk before any other thread can see them (``transfer`` is
-    ``None`` while the chunk is registered but not yet posted: pollers skip it). ``hung`` is
-    set once, under the room lock. The claim decides who ends it.
+    The job fields (``handle`` .. ``made_at``) never change. ``transfer`` and ``slot`` are set
+    by the posting thread before others see them (``transfer`` is ``None`` until posted:
+    pollers skip it). ``hung`` is set once, under the room lock. The claim decides who ends it.
     """
 
     __slots__ = (
@@ -84,27 +78,23 @@ class Chunk:
         self.chunk_idx = chunk_idx
         self.session_id = session_id
         self.src_pages = src_pages
-        # The destination pages as an array only when they are not checked (``dst_checked``
-        # is ``None``); a checked chunk needs no second copy of them.
-        self.dst_pages = dst_pages
+        self.dst_pages = dst_pages  # None when dst_checked is set
         self.byte_range = byte_range
         self.dst_region = dst_region
         self.is_last = is_last
         self.chunk_id = chunk_id
-        # The same pages checked once (sender/pages.py), for the transport; None: the arrays.
+        # The pages checked once (sender/pages.py) for the transport; None: use the arrays.
         self.src_checked = src_checked
         self.dst_checked = dst_checked
         self.made_at = made_at
-        # The deadline error of a chunk that timed out while NIXL still had it in progress:
-        # its room is failed, but the chunk has not ended (it may still write) until the
-        # transfer settles. Set once, under the room lock.
+        # Set (once, under the room lock) when it failed by us while NIXL still has it.
         self.hung: BaseException | None = None
         self.transfer: Any = None  # TransferLike once posted
         self.slot: StagingSlot | None = None
         self._claim = threading.Lock()  # looked up at call time: DPOR explorers see it
 
     def claim(self) -> bool:
-        """``True`` for the one caller that gets to end this chunk; ``False`` for all later."""
+        """``True`` for the one caller that gets to end this chunk."""
         # mutant-site: claim
         return self._claim.acquire(False)
 

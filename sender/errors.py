@@ -1,17 +1,12 @@
 """Exceptions of the KV sender and the classification of NIXL's exceptions.
 
-Two families matter to callers:
+* Transport errors ("this peer or transfer is gone": fail the room, carry on):
+  :data:`TRANSPORT_ERRORS` (NIXL's classes and ours), :func:`classify`.
+* Programming errors (bad indices, NIXL's ``nixlInvalidParamError`` and friends):
+  :class:`TransportParamError`, a ``ValueError``; never in :data:`TRANSPORT_ERRORS`.
 
-* **Transport errors** — "this peer / this transfer is gone": the caller fails the affected
-  room(s) and carries on. :data:`TRANSPORT_ERRORS` is the tuple to catch, :func:`classify`
-  the predicate. It contains NIXL's own classes (a killed peer raises
-  ``nixlRemoteDisconnectError``; a removed one ``nixlNotFoundError``) and ours.
-* **Programming errors** — bad page indices, mismatched lengths, NIXL's
-  ``nixlInvalidParamError`` and friends: :class:`TransportParamError`, a ``ValueError``. These
-  are bugs in the caller and are never in :data:`TRANSPORT_ERRORS`.
-
-NIXL's exception classes all subclass ``Exception`` directly (not ``RuntimeError``) and their
-message is just the status name, e.g. ``"NIXL_ERR_REMOTE_DISCONNECT"``.
+NIXL's exceptions subclass ``Exception`` directly; their message is the status name
+(e.g. ``"NIXL_ERR_REMOTE_DISCONNECT"``).
 """
 
 from __future__ import annotations
@@ -46,11 +41,8 @@ class TransportError(Exception):
 
 
 class TransferTimeoutError(TransportError):
-    """A transfer was still in progress when its deadline passed.
-
-    NIXL never detects a hung (e.g. SIGSTOPped) peer: such a transfer stays ``"PROC"``
-    forever, so the deadline is ours. The handle is still live after this error; release it
-    (and usually ``remove_peer``) — data may still land until the peer is removed.
+    """A transfer was still in progress when its deadline passed (NIXL never detects a hung
+    peer). The handle is still live: data may land until the peer is removed.
 
     Attributes:
         session_id: The session the transfer was addressed to.
@@ -64,30 +56,18 @@ class TransferTimeoutError(TransportError):
 
 
 class TransferFailedError(TransportError):
-    """NIXL reported a failed transfer through a status value instead of an exception.
-
-    NIXL 1.5.1's Python wrapper maps unexpected status codes to the string ``"ERR"``; we turn
-    that into this exception so that a failed transfer can never look like a pending one.
-    """
+    """NIXL reported a failed transfer as a status (``"ERR"``) instead of an exception."""
 
 
 class TransportClosedError(TransportError):
-    """The transport was closed; nothing can be started on it any more.
-
-    It is a member of :data:`TRANSPORT_ERRORS`: a worker that races with shutdown sees its
-    transfer "gone", exactly like a transfer to a dead peer.
-    """
+    """The transport was closed; nothing can be started on it any more. In
+    :data:`TRANSPORT_ERRORS`: a worker racing with shutdown sees its transfer gone."""
 
 
 # mutant-site: module
 class PeerNotFoundError(TransportError):
-    """No peer with this session id is known to the transport.
-
-    Chosen as a :class:`TransportError` (and a member of :data:`TRANSPORT_ERRORS`) rather than
-    a ``KeyError``: a session is unknown either because it was never added (a bug, which tests
-    catch) or because another thread removed it after a failure — at run time the second case
-    dominates, and for the caller it means the same as NIXL's ``nixlNotFoundError`` for a
-    removed remote agent: the peer is gone.
+    """No peer with this session id is known to the transport (never added, or removed after
+    a failure): a transport error, as NIXL's ``nixlNotFoundError``, not a ``KeyError``.
 
     Attributes:
         session_id: The unknown session id.
@@ -99,9 +79,8 @@ class PeerNotFoundError(TransportError):
 
 
 class RegionRetiredError(TransportError):
-    """The transfer's source region was deregistered (``deregister_region``) while NIXL still
-    had the write in progress: the write failed by our doing, but it may still read the
-    region until NIXL settles it (``Transfer.settled``), so it is kept, not released.
+    """The transfer's source region was deregistered while NIXL still had the write in
+    progress; NIXL may read it until it settles, so the write is kept, not released.
 
     Attributes:
         region: The region's name.
@@ -113,23 +92,14 @@ class RegionRetiredError(TransportError):
 
 
 class TransferReleasedError(TransportError):
-    """``poll()``/``wait()`` was called on a transfer that was already released.
-
-    NIXL would answer a bogus ``"DONE"`` for a released handle (use-after-free), so the
-    transport refuses the call without touching NIXL. This is a caller bug, not a transport
-    failure, and it is deliberately *not* in :data:`TRANSPORT_ERRORS`.
-    """
+    """``poll()``/``wait()`` on a released transfer (NIXL would answer a bogus ``"DONE"``).
+    A caller bug: *not* in :data:`TRANSPORT_ERRORS`."""
 
 
 class AgentSetupError(TransportError, RuntimeError):
-    """NIXL could not create a transport's agent or its UCX backend
-    (:class:`~sender.transport.NixlTransport` construction).
-
-    The message names the cause as far as this process can see it: each attempt's NIXL
-    status, whether the machine's network interfaces changed during it (the transient cause,
-    retried; see ``NixlTransport``), and the UCX environment in effect. UCX's own reason is
-    printed by UCX on the process's stderr. A ``RuntimeError`` (what construction raised
-    before this class existed) and not in :data:`TRANSPORT_ERRORS`: no peer is involved.
+    """NIXL could not create a :class:`~sender.transport.NixlTransport`'s agent or UCX
+    backend. The message names each attempt's status, interface changes and the UCX
+    environment. Not in :data:`TRANSPORT_ERRORS`: no peer is involved.
 
     Attributes:
         attempts: One line per failed attempt, in order.
@@ -147,8 +117,6 @@ class AgentSetupError(TransportError, RuntimeError):
 class TransportParamError(ValueError):
     """A programming error: bad page indices, mismatched lengths, bad metadata, or a NIXL
     parameter error (``nixlInvalidParamError`` and the other non-transport statuses).
-
-    The message names the NIXL status when one is involved.
 
     Attributes:
         status: NIXL status name (e.g. ``"NIXL_ERR_INVALID_PARAM"``) or ``None``.
@@ -170,9 +138,6 @@ class KVTransferError(RuntimeError):
         generation: The opening (``RoomHandle.generation``), when known.
         session_id: The decode session the failure concerns, when one does.
         chunk_idx: The chunk the failure concerns, when one does.
-
-    The message names all of them that are known: ``KV transfer failed for room 7
-    (generation 12, session 'decode-0', chunk 3): <reason>``.
     """
 
     def __init__(
@@ -204,35 +169,35 @@ class KVTransferError(RuntimeError):
         self.chunk_idx = chunk_idx
 
     _headline = "KV transfer failed"
+    _pickled: tuple[tuple[str, ...], tuple[str, ...]] = (
+        ("room", "reason", "is_from_another_rank"),
+        ("generation", "session_id", "chunk_idx"),
+    )
+    """The attributes pickling passes back to the constructor: (positional, keyword)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
+        args, kwargs = self._pickled
         return (
-            _rebuild_kv_error,
+            _rebuild,
             (
-                type(self), self.room, self.reason, self.is_from_another_rank,
-                self.generation, self.session_id, self.chunk_idx,
+                type(self),
+                tuple(getattr(self, a) for a in args),
+                {k: getattr(self, k) for k in kwargs},
             ),
         )
 
 
 class RoomNotFailedError(KVTransferError):
-    """``failure_exception()`` was called on a room that did not fail (it succeeded, or was
-    cleared before a failure was recorded). A :class:`KVTransferError`, so that callers that
-    catch one still catch it, but its message does not say the transfer failed."""
+    """``failure_exception()`` on a room that did not fail (it succeeded, or was cleared
+    first). A :class:`KVTransferError` whose message does not say a transfer failed."""
 
     _headline = "no KV transfer failure to report"
 
 
 class ConcurrentSenderUseError(KVTransferError):
-    """Two threads were inside one ``NixlKVSender``'s scheduler-thread methods (``init``,
-    ``send``, ``poll``, ``failure_exception``, ``abort``) at once. Detected only in debug mode
-    (``KVManager(debug=True)``, or env ``NIXL_STAGING_DEBUG_LOCKS=1``); see
-    ``docs/THREADING.md``, "Two threads on one sender".
-
-    A caller bug, never a transport failure. A :class:`KVTransferError`, so that a scheduler
-    that handles ``failure_exception()``'s errors handles it too (a ``poll()`` or ``abort()``
-    that notices the overlap fails the room with it instead of raising), but its message
-    says what happened, not that a transfer failed.
+    """Two threads were inside one ``NixlKVSender``'s scheduler-thread methods at once; seen
+    in debug mode only (docs/THREADING.md, "Two threads on one sender"). A caller bug, and a
+    :class:`KVTransferError` so that ``failure_exception()``'s handlers handle it too.
 
     Attributes:
         method: The method the second thread called (it noticed the overlap).
@@ -242,6 +207,7 @@ class ConcurrentSenderUseError(KVTransferError):
     """
 
     _headline = "NixlKVSender used from two threads at once"
+    _pickled = ("room", "method", "thread", "other_method", "other_thread"), ("generation",)
 
     def __init__(
         self,
@@ -265,42 +231,12 @@ class ConcurrentSenderUseError(KVTransferError):
         self.other_method = other_method
         self.other_thread = other_thread
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _rebuild_concurrent_use,
-            (
-                self.room, self.method, self.thread, self.other_method, self.other_thread,
-                self.generation,
-            ),
-        )
 
-
-def _rebuild_concurrent_use(
-    room: int,
-    method: str,
-    thread: str,
-    other_method: str,
-    other_thread: str,
-    generation: int | None,
-) -> ConcurrentSenderUseError:
-    return ConcurrentSenderUseError(
-        room, method, thread, other_method, other_thread, generation=generation
-    )
-
-
-def _rebuild_kv_error(
-    cls: type[KVTransferError],
-    room: int,
-    reason: str,
-    is_from_another_rank: bool,
-    generation: int | None,
-    session_id: str | None,
-    chunk_idx: int | None,
+def _rebuild(
+    cls: type[KVTransferError], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> KVTransferError:
-    return cls(
-        room, reason, is_from_another_rank, generation=generation, session_id=session_id,
-        chunk_idx=chunk_idx,
-    )
+    """Unpickle a :class:`KVTransferError` (of any subclass): ``cls(*args, **kwargs)``."""
+    return cls(*args, **kwargs)
 
 
 def _nixl_classes(*names: str) -> tuple[type[BaseException], ...]:
@@ -335,10 +271,7 @@ if _nixl.AVAILABLE:
         *_OURS,
     )
 else:
-    # Without NIXL there are no NIXL classes to catch. RuntimeError stands in for them so
-    # code paths that catch TRANSPORT_ERRORS still type-check and behave sensibly in tests.
-    # NOTE: NIXL's real exception classes subclass Exception directly, NOT RuntimeError;
-    # never rely on `except RuntimeError` to catch them when NIXL is installed.
+    # Without NIXL, RuntimeError stands in for its classes (which do NOT subclass it).
     TRANSPORT_ERRORS = (RuntimeError, *_OURS)
 
 # NIXL statuses that mean "the caller passed something wrong" (never a dead peer).
@@ -353,30 +286,19 @@ PARAM_ERRORS: tuple[type[BaseException], ...] = _nixl_classes(
 
 
 def classify(exc: BaseException) -> bool:
-    """Return True if ``exc`` means "this peer or transfer is gone" (a transport error).
-
-    Thread-safety: pure function, safe from any thread.
-    """
+    """True if ``exc`` means "this peer or transfer is gone" (a transport error). Pure."""
     return isinstance(exc, TRANSPORT_ERRORS)
 
 
 def status_name(exc: BaseException) -> str:
-    """The NIXL status name carried by a NIXL exception (its message), else the class name.
-
-    Thread-safety: pure function, safe from any thread.
-    """
+    """The NIXL status name carried by a NIXL exception (its message), else the class name."""
     text = str(exc)
     return text if text.startswith("NIXL_") else type(exc).__name__
 
 
 def as_param_error(exc: BaseException, context: str) -> TransportParamError | None:
-    """Convert a NIXL parameter-type exception into :class:`TransportParamError`.
-
-    Returns ``None`` when ``exc`` is not one of :data:`PARAM_ERRORS` (the caller then
-    re-raises the original). The caller should ``raise result from exc``.
-
-    Thread-safety: pure function, safe from any thread.
-    """
+    """``exc`` as a :class:`TransportParamError` (to ``raise ... from exc``), or ``None``
+    when it is not one of :data:`PARAM_ERRORS`. Pure."""
     if PARAM_ERRORS and isinstance(exc, PARAM_ERRORS):
         return TransportParamError(context, status=status_name(exc))
     return None

@@ -1,26 +1,10 @@
 """What a :class:`~sender.manager.KVManager` tells listeners as rooms and chunks conclude.
 
-:class:`ManagerEvents` is the listener protocol; the manager calls it **outside its locks**,
-on whichever thread concluded the room or ended the chunk (the scheduler thread or a
-transfer worker; never the notifier thread), or on the first thread to read that state
-(``poll()``, ``status()``, ``stats()``, ``wait_drained()``: each makes the pending calls of
-what it read before it returns, or waits for the thread making them; a listener calling back
-into the manager never waits). :class:`FanOut` passes each event to several listeners and never
-raises: a listener's error is counted and swallowed, so the manager's threads never see it.
-``sender.metrics.LatencyHistograms`` is a listener that feeds Prometheus histograms; this
-module imports no metrics library.
-
-Values:
-
-* ``room_concluded(room, generation, outcome, code, seconds)``: ``outcome`` is one of
-  :data:`ROOM_OUTCOMES` (``"success"``, ``"failed"``, ``"cleared"``); ``code`` is ``"ok"``
-  for a success, else a room-notice reason code of :func:`sender.notices.code_for`
-  (:data:`sender.notices.CODES`); ``seconds`` runs from the room's opening to its
-  conclusion.
-* ``chunk_ended(session_id, outcome, seconds, nbytes)``: ``outcome`` is one of
-  :data:`CHUNK_OUTCOMES` (``"done"``, ``"failed"``, ``"skipped"``, ``"drained"``, as
-  :class:`~sender.manager.ManagerStats` counts them); ``seconds`` runs from the chunk's start
-  to its end; ``nbytes`` is the chunk's payload.
+:class:`ManagerEvents` is the listener protocol, called outside the manager's locks by the
+thread that made the change or the first reader that saw it, never the notifier thread
+(docs/THREADING.md, "Listeners"). :class:`FanOut` passes each event to several listeners and
+never raises (a listener's error is counted and swallowed). The values of ``outcome`` and
+``code``: :data:`ROOM_OUTCOMES`, :data:`ROOM_CODES`, :data:`CHUNK_OUTCOMES`.
 """
 
 from __future__ import annotations
@@ -56,13 +40,8 @@ CHUNK_OUTCOMES = ("done", "failed", "skipped", "drained")
 
 @runtime_checkable
 class ManagerEvents(Protocol):
-    """A listener of a manager's room and chunk conclusions.
-
-    Called outside every lock of the manager, from any of its threads, possibly from
-    several at once: an implementation must be thread-safe and should return quickly (it
-    runs on the thread that concluded the room or ended the chunk). What it raises is the
-    caller's to contain (:class:`FanOut` does).
-    """
+    """A listener of a manager's room and chunk conclusions: called from any of its threads,
+    possibly several at once, so it must be thread-safe and return quickly."""
 
     def room_concluded(
         self, room: int, generation: int, outcome: str, code: str, seconds: float
@@ -79,12 +58,8 @@ class ManagerEvents(Protocol):
 
 @dataclass(frozen=True)
 class FanOutStats:
-    """Counters of one :class:`FanOut`.
-
-    ``events``: events passed on (each counted once, whatever the number of listeners);
-    ``errors``: listener calls that raised (swallowed); ``last_error``: ``repr`` of the
-    latest such error, or ``None``.
-    """
+    """Counters of one :class:`FanOut`: events passed on (once each), listener calls that
+    raised, and the ``repr`` of the latest such error (or ``None``)."""
 
     events: int
     errors: int
@@ -92,14 +67,12 @@ class FanOutStats:
 
 
 class FanOut:
-    """Passes every event to each listener in order; never raises.
+    """Passes every event to each listener in order; never raises. A listener's error is
+    counted, logged once per listener (WARNING, ``sender.events``), and the next listener
+    still gets the event.
 
-    A listener that raises is counted (:meth:`stats`), its error logged once per listener at
-    ``WARNING`` on logger ``sender.events`` (with the traceback; later errors of the same
-    listener are counted only), and the next listener still gets the event.
-
-    Thread-safety: safe from any number of threads at once; the listeners are called
-    without any lock held (``_lock`` guards the counters only, never held across a call).
+    Thread-safety: safe from any threads; ``_lock`` guards the counters only and is never
+    held across a listener call.
 
     Args:
         *listeners: Objects with callable ``room_concluded`` and ``chunk_ended``.
@@ -121,7 +94,7 @@ class FanOut:
                     f"{' or '.join(missing)}: not a ManagerEvents"
                 )
         self._listeners: tuple[ManagerEvents, ...] = tuple(listeners)
-        self._lock = threading.Lock()  # guards the three fields below
+        self._lock = threading.Lock()  # guards the four fields below
         self._events = 0
         self._errors = 0
         self._last_error: str | None = None
@@ -173,8 +146,7 @@ class FanOut:
             first = index not in self._logged
             self._logged.add(index)
         if first:  # logged outside the lock: a handler may be slow or re-enter
-            # A broken logging handler must not reach the manager either.
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # nor may a broken handler reach the manager
                 logger.warning(
                     "metrics listener %d (%s) raised %s; its errors are counted and "
                     "swallowed from now on",

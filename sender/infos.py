@@ -1,9 +1,7 @@
 """Transfer infos: where one decode session wants a room's pages, checked once when made.
 
-The bootstrap thread receives, per room and decode session, the destination page of every
-KV page of the room. :func:`make_transfer_info` checks and freezes it once (the manager then
-takes it as it is); an info built any other way is checked again when it is added
-(:func:`checked_info`).
+:func:`make_transfer_info` checks and freezes an info; :func:`checked_info` takes those as
+they are and checks any other info again.
 """
 
 from __future__ import annotations
@@ -26,16 +24,10 @@ PageArray = npt.NDArray[np.int64]
 
 @dataclass(frozen=True, slots=True, weakref_slot=True)
 class TransferInfo:
-    """Where one decode session wants a room's pages (sent by the bootstrap thread).
-
-    Attributes:
-        session_id: the decode peer (its transport session id).
-        dst_pages: destination page index of each of the room's KV pages, in order.
-        decode_prefix_len: leading pages the decode side already holds (not sent).
-        byte_range: ``(start, length)``: only these bytes of each prefill page go to this
-            session (its TP rank's heads); requires a staging pool. ``None`` = whole pages.
-        dst_region: the peer's registered region to write into.
-    """
+    """Where one decode session (``session_id``) wants a room's pages: ``dst_pages[i]``
+    receives the room's KV page ``i``, except the first ``decode_prefix_len`` (already
+    held); ``byte_range`` ``(start, length)`` sends only those bytes of each page (a TP
+    rank's heads; needs a staging pool), ``None`` whole pages, into region ``dst_region``."""
 
     session_id: str
     dst_pages: PageArray
@@ -43,16 +35,13 @@ class TransferInfo:
     byte_range: tuple[int, int] | None = None
     dst_region: str = "kv"
     dst_checked: CheckedPages | None = field(default=None, compare=False, repr=False)
-    """``dst_pages`` checked once (distinct, < 2**31; :mod:`sender.pages`): chunks pass
-    slices of it, so the transport does not check them again per write. ``None`` only when
-    ``dst_pages`` is empty (:func:`make_transfer_info` refuses repeated pages)."""
+    """``dst_pages`` checked once (:mod:`sender.pages`), sliced per chunk; ``None`` when
+    ``dst_pages`` is empty."""
 
 
 _MADE_INFOS: weakref.WeakValueDictionary[int, TransferInfo] = weakref.WeakValueDictionary()
-"""The infos :func:`make_transfer_info` made and that are still alive, by ``id``:
-``add_transfer_info`` takes those as they are and checks any other again (an info built
-directly, or copied with ``dataclasses.replace``, bypassed the checks). A dead info's entry
-goes with it, so a later object with the same ``id`` is never mistaken for it."""
+"""Live infos made by :func:`make_transfer_info`, by ``id`` (weak: a reused ``id`` of a
+dead info is never mistaken for it)."""
 
 
 def make_transfer_info(
@@ -74,10 +63,8 @@ def make_transfer_info(
     """
     session_id = check_session_id(session_id)
     raw = np.asarray(dst_pages)
-    # dtype.kind, not np.issubdtype (~2.5 us a call): this runs once per room.
+    # float or bool pages would be cast silently: KV pages would land in wrong slots.
     if raw.dtype.kind == "b" or (raw.size and raw.dtype.kind not in "iu"):
-        # float or bool page numbers would be truncated/cast silently: KV pages would land
-        # in the wrong decode slots.
         raise TypeError(f"dst_pages must hold ints, got dtype {raw.dtype}")
     try:
         arr = np.array(raw, dtype=np.int64, copy=True)
@@ -101,12 +88,7 @@ def make_transfer_info(
 
 
 def _checked_dst(pages: PageArray) -> CheckedPages | None:
-    """``pages`` as :class:`CheckedPages` (distinct), or ``None`` if empty.
-
-    A session's destination pages are refused as a whole, whatever the chunking: a page that
-    repeats would be written twice (by two chunks: the second write silently overwrites the
-    first room page; by one chunk: the transport refuses the write), and a page NIXL cannot
-    address (its indices are 32-bit) would fail every write.
+    """``pages`` as distinct :class:`CheckedPages`, or ``None`` if empty.
 
     Raises:
         ValueError: a negative page, a page of ``2**31`` or more, or a repeated page.
@@ -130,8 +112,7 @@ def _checked_dst(pages: PageArray) -> CheckedPages | None:
 
 def checked_info(info: TransferInfo) -> TransferInfo:
     """``info`` as it is if :func:`make_transfer_info` made it, else checked and normalised
-    by it (an info built directly, or copied with ``dataclasses.replace``, bypassed the
-    checks).
+    by it (a directly built or ``dataclasses.replace``-d info bypassed the checks).
 
     Raises:
         TypeError, ValueError: as :func:`make_transfer_info`.

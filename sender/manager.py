@@ -1,31 +1,15 @@
-"""``KVManager``: the per-room tables of a prefill sender, its transfer workers, and purge.
+"""``KVManager``: one prefill sender's room table, chunk pipeline and notifier.
 
-One object an engine holds per prefill sender, made of three parts, each in a module of its
-own with the lock it owns stated where it is defined:
+* :mod:`sender.rooms`: the per-room tables (``request_status``, ``transfer_infos``, ...,
+  named as upstream engines name them) and every change to them; owns the ROOM and FAILURE
+  locks and each room's post gate.
+* :mod:`sender.pipeline`: staging, posting, polling, hung-chunk sweeps, the workers.
+* :mod:`sender.notifier`: room notices to the decode side, sent by one thread.
 
-* the **room table** (:mod:`sender.rooms`): ``request_status``, ``transfer_infos``,
-  ``req_to_decode_prefix_len``, ``exceptions`` and ``failure_records`` -- the dicts upstream
-  engines keep bare on their KV manager, under the same names -- plus each room's entry,
-  the chunks draining after a purge, and every change to them (open, infos, fail, purge,
-  chunk registration and end accounting). Owns the ROOM and FAILURE locks.
-* the **chunk pipeline** (:mod:`sender.pipeline`): staging, the post under the room's post
-  gate, polling, hung-chunk sweeps, the transfer workers. Owns no lock of the model.
-* the **notifier** (:mod:`sender.notifier`): room notices to the decode side, held until an
-  opening drained, sent by one thread. Owns a plain counter lock outside the model.
-
-Rooms follow the staging layer's lifecycle: every write names the :class:`RoomHandle` of the
-opening it belongs to, and a write for a purged (or reopened) room is refused and counted,
-never allowed to re-create the room. A chunk of a purged or failed room is skipped; a chunk
-already posted when its room is purged *drains* (NIXL cannot cancel a write): see
-:meth:`KVManager.draining` and :meth:`KVManager.wait_drained`.
-
-Lock hierarchy (``staging.locks.LockLevel``; a thread takes them in this order only): a
-room's post gate (ROOM_GATE) -> the room table's lock (ROOM) -> the staging context's lock
-(STAGING) -> the slot pool's lock (POOL) -> the failure lock (FAILURE). The transport's own
-locks are outside the model and innermost. The one lock of the model held across a NIXL call
-is a room's post gate, across the posts of one send (it makes check-and-post atomic against
-that room's purge); NIXL calls are otherwise never made while a lock of the model is held.
-See docs/THREADING.md.
+Every write names the :class:`RoomHandle` of its opening; one for a purged or reopened room
+is refused and counted. Chunks posted before a purge drain (NIXL cannot cancel a write).
+Lock order: ROOM_GATE -> ROOM -> STAGING -> POOL -> FAILURE; of these only a room's post gate
+is held across a NIXL call. See docs/THREADING.md, "The sender" and "Lock hierarchy".
 """
 
 from __future__ import annotations
@@ -63,31 +47,18 @@ __all__ = [
 ]
 
 _CLAIMED_END_GRACE_S = 0.5
-"""``close()`` waits at least this long for chunk ends that other threads claimed before it
-abandoned the rest (a release and a few dict updates each), so that their rooms' notices are
-queued before the notifier stops."""
+"""Least time ``close()`` waits for chunk ends other threads claimed (so their notices queue)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ManagerStats:
     """Counters and gauges of one manager (a consistent snapshot, taken under its lock).
 
-    Every submitted chunk ends exactly once as one of ``chunks_done`` (its room was open),
-    ``chunks_failed`` (its transfer or its start failed while its room was open, including
-    an unexpected error, which also counts in ``worker_errors``), ``chunks_skipped`` (never
-    posted: its room was purged or failed first) or ``chunks_drained`` (posted, then its
-    room was purged before it ended). So at a quiescent point (nothing queued, in flight or
-    draining) ``chunks_submitted`` is their sum.
-
-    Rooms: each opened room concludes at most once, as ``rooms_succeeded``,
-    ``rooms_failed`` (by reason code in ``rooms_failed_by_code``: the room-notice codes of
-    :mod:`sender.notices`) or ``rooms_cleared`` (purged before it concluded). Gauges:
-    ``open_rooms``, ``transfers_inflight``, ``transfers_draining``, ``notices_pending``.
-    Notices: each session message queued ends as ``notices_sent``, ``notices_failed`` or
-    ``notices_skipped_dead`` (its session's peer had reported a disconnect);
-    ``notices_withheld`` counts notices of rooms whose writes ``close()`` abandoned.
-    ``bytes_posted``: payload bytes of every chunk whose write was posted, whatever its end
-    (done, failed, drained or abandoned), counted when the chunk ends.
+    Each chunk ends once: at a quiescent point ``chunks_submitted == chunks_done +
+    chunks_failed + chunks_skipped + chunks_drained``. Each room concludes at most once, as
+    ``rooms_succeeded``, ``rooms_failed`` (by notice code in ``rooms_failed_by_code``) or
+    ``rooms_cleared``. Gauges: ``open_rooms``, ``transfers_inflight``, ``transfers_draining``,
+    ``notices_pending``. Meanings: docs/METRICS.md, "From `KVManager.stats()`".
     """
 
     open_rooms: int
@@ -123,55 +94,34 @@ class KVManager:
 
     Args:
         transport: a started :class:`sender.transport.NixlTransport` (or anything with its
-            ``write_pages``) with the prefill KV pool registered as region ``kv_region``.
-        kv_pool: the prefill KV pool tensor, ``[num_pages, page_bytes]`` uint8 (the same
-            tensor registered as ``kv_region``).
+            ``write_pages``) with ``kv_pool`` registered as region ``kv_region``.
+        kv_pool: the prefill KV pool, ``[num_pages, page_bytes]`` uint8.
         num_workers: transfer-worker threads; ``0`` runs transfers inline on the caller's
-            thread (``submit_chunk`` starts them, ``progress`` polls them). Inline with a
-            staging pool, a ``submit_chunk`` that waits for a slot polls the posted chunks
-            holding slots and ends those that completed (only a poll on this thread would
-            end them), so it never waits for its own finished writes.
+            thread (``submit_chunk`` starts them, ``progress`` polls them).
         staging: the staging context (one is made if ``None``).
-        staging_pool: staging slots; when given, every chunk is gathered into a slot and
-            sent with one bulk write from region ``staging_region`` (which the caller
-            registered with the transport). ``None`` sends pages directly from ``kv_region``.
-            Its ``page_bytes`` is a KV page's size, or the size of the ``byte_range`` slice
-            that the sessions' infos take (checked per info by :meth:`add_transfer_info`).
-        transfer_timeout_s: deadline of every transfer (a hung peer is never detected
-            otherwise).
-        slot_timeout_s: how long a chunk waits for a free staging slot (a worker does not
-            wait: it parks the chunk and retries it between its other work).
-        session_slots: the most staging slots the chunks to one decode session may hold at
-            once (``None``: half the pool, at least 1), so that a hung peer holds at most
-            its share and the other sessions keep the rest (THREADING.md, "Peer
-            isolation").
+        staging_pool: staging slots: each chunk is gathered into one and sent with one write
+            from region ``staging_region``; ``None`` sends straight from ``kv_region``. Its
+            ``page_bytes`` is a KV page's size, or that of the infos' ``byte_range`` slice.
+        transfer_timeout_s: deadline of every transfer (the only way a hung peer is seen).
+        slot_timeout_s: how long a chunk waits for a free staging slot.
+        session_slots: the most slots one decode session's chunks may hold at once
+            (``None``: half the pool, at least 1); docs/THREADING.md, "Peer isolation".
         lock: kind of the room table's lock (``"mutex"`` or ``"rw"``).
         debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
-        poll_interval_s: how long a worker sleeps between polls of a pending transfer
-            (at most ``transfer_timeout_s``); ``None`` (default) adapts, as
-            :meth:`sender.transport.Transfer.wait` does
-            (:func:`sender.transport.poll_pauses`: polls with only a ``sched_yield``
-            between them for 200 µs, then pauses of 1/16 of the time polled so far, 20 µs
-            to 1 ms).
-        fail_session_on_disconnect: when a transfer fails because its peer is gone or hung
-            (a transport error), fail every room with a transfer to that session at once.
-        notify_decode: tell each decode session of a room that failed or was cleared before
-            ``Success`` (a room notice, :mod:`sender.notices`), once the room's posted chunks
-            have drained; needs a transport with ``send_notif``. Sent by one notifier thread,
-            best effort (counted in ``stats()``), never on the caller's thread.
-        events: a listener told of every room's conclusion and every chunk's end, outside
-            the manager's locks (:mod:`sender.events`, :mod:`sender.metrics`).
+        poll_interval_s: a worker's pause between polls of a pending transfer (at most
+            ``transfer_timeout_s``); ``None`` adapts (:func:`sender.transport.poll_pauses`).
+        fail_session_on_disconnect: a transport error fails every room with a transfer to
+            that session at once.
+        notify_decode: send a room notice (:mod:`sender.notices`) to the decode sessions of
+            a room failed or cleared before ``Success``, once drained; needs ``send_notif``.
+        events: a listener of room conclusions and chunk ends (:mod:`sender.events`).
 
     Raises:
-        TypeError, ValueError: bad arguments (every timeout is checked here: a finite number,
-            ``poll_interval_s`` not above ``transfer_timeout_s``; a wait longer than
-            ``threading.TIMEOUT_MAX`` is cut to it); a ``staging_pool`` whose pages are larger
-            than a KV page (nothing could ever be staged into it). With a transport that has
-            ``closed`` and ``regions()`` (:class:`sender.transport.NixlTransport`), also: a
-            closed transport, ``kv_region`` (or, with a pool, ``staging_region``) not
-            registered with it, or ``kv_pool`` not the tensor registered as ``kv_region``
-            (another page count, page size or address): each a ``ValueError`` naming the
-            value, raised here rather than as a transport fault of the first transfer.
+        TypeError, ValueError: a bad argument or timeout (``poll_interval_s`` above
+            ``transfer_timeout_s``), a ``staging_pool`` whose pages are larger than a KV
+            page; with a transport that has ``closed`` and ``regions()``: a closed transport,
+            ``kv_region`` (or ``staging_region``) not registered, or ``kv_pool`` not the
+            tensor registered as ``kv_region``.
     """
 
     def __init__(
@@ -202,19 +152,16 @@ class KVManager:
         check_seconds(transfer_timeout_s, "transfer_timeout_s")
         check_seconds(slot_timeout_s, "slot_timeout_s", allow_zero=True)
         if staging_pool is not None and staging_pool.page_bytes > int(kv_pool.shape[1]):
-            # A staged page is a whole KV page or a slice of one (byte_range): it can never
-            # be larger than a KV page, so no chunk could ever be staged into this pool.
             raise ValueError(
                 f"staging_pool page_bytes {staging_pool.page_bytes} > the KV pool's page "
                 f"size {int(kv_pool.shape[1])} B: no page or slice of one fits its slots"
             )
-        # Then against the transport (its regions): after the checks of the arguments alone.
+        # Against the transport only once the arguments alone passed.
         _check_transport(transport, kv_pool, kv_region, staging_region, staging_pool)
         if poll_interval_s is not None:
             check_seconds(poll_interval_s, "poll_interval_s", allow_zero=True)
             if poll_interval_s > transfer_timeout_s:
-                # A worker that pauses longer than a transfer's deadline between polls would
-                # keep its room Transferring past the deadline (the contract's bound).
+                # else a room could stay Transferring past its deadline
                 raise ValueError(
                     f"poll_interval_s {poll_interval_s} > transfer_timeout_s {transfer_timeout_s}"
                 )
@@ -274,9 +221,8 @@ class KVManager:
 
     @property
     def debug(self) -> bool:
-        """Debug mode (the ``debug`` argument, or env ``NIXL_STAGING_DEBUG_LOCKS`` where it was
-        ``None``): the room table's locks check their order, and each ``NixlKVSender`` checks
-        that one thread at a time uses it (docs/THREADING.md). Never raises."""
+        """Debug mode: lock order checks, and each ``NixlKVSender``'s one-thread check.
+        Never raises."""
         return self._room_lock.debug
 
     @property
@@ -326,14 +272,8 @@ class KVManager:
 
     def handle_status(self, handle: RoomHandle) -> KVPoll | None:
         """The status of that opening, or ``None`` once it is purged (or ``handle`` is stale).
-        One read-lock acquisition. Thread-safe.
-
-        Agrees with the counters and the listener: before it returns, the log lines and
-        :class:`~sender.events.ManagerEvents` calls of every change it shows were made (it
-        makes those that no thread started yet itself, and waits for those in progress on
-        another thread; a listener calling back into the manager never waits). So once
-        ``poll()`` says ``Failed``, ``stats()``, the room's WARNING and the listener's
-        metrics already show the failure.
+        Thread-safe; read lock. Returns once the log lines and listener calls of every change
+        it shows were made, so ``stats()`` and the metrics agree with it.
 
         Raises:
             TypeError: ``handle`` is not a :class:`RoomHandle`.
@@ -358,15 +298,10 @@ class KVManager:
             return self.rooms.live_locked(handle) is not None
 
     def draining(self, handle: RoomHandle | None = None) -> int:
-        """What a purged opening (every purged opening with ``None``) still has in flight:
-        its posted chunks that have not ended, plus the staging slots that workers still
-        hold for it (a worker that leased a slot before the purge returns it when it reaches
-        the post fence and skips the chunk). 0 for an open room.
-
-        A purged room's destination pages at the decode side, and its staging slots, may be
-        reused once this is 0 for its handle (NIXL cannot cancel a posted write). Thread-safe;
-        read lock (and the slot pool's lock inside it); does not poll (see
-        :meth:`wait_drained`).
+        """A purged opening's (every purged one's with ``None``) posted chunks not yet ended,
+        plus the staging slots workers still hold for it; 0 for an open room. Its decode pages
+        and slots may be reused once this is 0 (docs/THREADING.md, "Draining"). Thread-safe;
+        read lock; does not poll.
 
         Raises:
             TypeError: ``handle`` is neither ``None`` nor a :class:`RoomHandle`.
@@ -377,12 +312,9 @@ class KVManager:
             return self.rooms.lingering_locked(handle)
 
     def wait_drained(self, handle: RoomHandle | None = None, timeout_s: float = 5.0) -> bool:
-        """Poll the draining transfers of that opening (all of them with ``None``) until
-        :meth:`draining` is 0 -- each posted chunk has ended (done, failed, past its
-        deadline, or released by the transport) and no worker holds a slot for it -- or
-        until ``timeout_s``. ``True`` when nothing is left. Never raises for a transport
-        error (it is the chunk's outcome). Thread-safe; safe concurrently with the workers
-        (each chunk still ends exactly once).
+        """Poll the draining transfers of that opening (all with ``None``) until
+        :meth:`draining` is 0 (``True``) or ``timeout_s`` passed (``False``). Never raises for
+        a transport error. Thread-safe.
 
         Raises:
             TypeError, ValueError: bad ``handle`` or ``timeout_s`` (not a number >= 0;
@@ -394,12 +326,8 @@ class KVManager:
         return self.pipeline.wait_drained(handle, timeout_s)
 
     def footprint(self, room: int) -> tuple[str, ...]:
-        """Names of every table, the staging context or the pool still holding ``room``.
-
-        Empty for a purged room once :meth:`draining` is 0 for it: that is the no-leak
-        invariant (``"draining"`` stays until the room's posted chunks end and
-        ``"staging_pool"`` until the workers holding slots for it have skipped their chunks;
-        :meth:`wait_drained` waits for both). Thread-safe.
+        """Names of every table, the staging context or the pool still holding ``room``:
+        empty for a purged room once :meth:`draining` is 0 (no leak). Thread-safe.
 
         Raises:
             TypeError, ValueError: bad ``room``.
@@ -460,12 +388,11 @@ class KVManager:
 
     def open_room(self, room: int, session_ids: Sequence[str]) -> RoomHandle:
         """Open ``room`` for ``session_ids`` (status ``Bootstrapping``). Thread-safe; atomic,
-        also against :meth:`close` (a room opened before ``close`` is purged by it).
+        also against :meth:`close`.
 
         Raises:
             RoomAlreadyOpenError: the room is open.
-            TypeError, ValueError: bad room or session ids (a ``str`` instead of a sequence
-                of them, none, duplicates, empty).
+            TypeError, ValueError: bad room or session ids (a ``str``, none, duplicates).
             RuntimeError: the manager is closed.
             LockTimeoutError: the staging context's ``lock_timeout`` elapsed (nothing opened).
         """
@@ -482,27 +409,17 @@ class KVManager:
         return self.rooms.open(room, sessions)
 
     def add_transfer_info(self, handle: RoomHandle, info: TransferInfo) -> bool:
-        """Record where ``info.session_id`` wants the room's pages (bootstrap thread).
-
-        When every session of the room has its info the status becomes ``WaitingForInput``.
-        A purged room refuses (``False``, counted). When the transport knows its peers
-        (``peer_regions``), the info is checked against the peer's published region first:
-        a session that is not a peer of the transport (never added, or removed after a
-        fault) fails the room at once (``False``; its stored exception says why), and a
-        destination page past the peer's region is a ``ValueError`` (no change).
-        Thread-safe; write lock; atomic.
+        """Record where ``info.session_id`` wants the room's pages; with every session's info
+        in, the status becomes ``WaitingForInput``. ``False`` for a purged room (counted) and
+        for a session that is not a peer of the transport (the room is failed). Thread-safe;
+        write lock; atomic.
 
         Raises:
             TypeError: ``handle`` or ``info`` of the wrong type.
-            ValueError: the session is not one of the room's, a destination page past the
-                peer's region, a repeated destination page (an info not made by
-                :func:`make_transfer_info`), a byte range without a staging pool, or (with a
-                staging pool) a staged page -- the KV page, or its ``byte_range`` slice --
-                whose size is not the pool's ``page_bytes`` or a ``byte_range`` past the end
-                of a KV page (nothing changes); or ``info`` has fewer destination pages than the
-                ``num_kv_indices`` already declared by ``init_room``: then the info is not
-                stored and the room is **failed** (its stored exception is a
-                :class:`KVTransferError` saying why), so that its scheduler sees ``Failed``.
+            ValueError: the session is not the room's; a destination page past the peer's
+                region or repeated; a byte range without a staging pool or past a KV page; a
+                staged page not of the pool's ``page_bytes`` (nothing changes). Or fewer
+                destination pages than ``init_room`` declared: not stored, the room **failed**.
         """
         _check_handle(handle)
         entry = self.rooms.peek(handle)  # lock-free; add_info checks again under the lock
@@ -528,12 +445,9 @@ class KVManager:
         *,
         peers: bool = True,
     ) -> tuple[TransferInfo, bool]:
-        """The checks :meth:`add_transfer_info` makes before it changes anything, without a
-        room (``NixlKVSender`` makes them before it opens one): ``(info normalised, whether
-        its session is a peer of the transport)`` for room ``room`` whose sessions are
-        ``session_ids`` (``None``: not checked). A session that is not a peer passes here
-        (:meth:`add_transfer_info` then fails the room); ``peers=False`` skips the checks
-        against the transport's peers. Reads only; thread-safe.
+        """:meth:`add_transfer_info`'s checks without a room: ``(normalised info, whether its
+        session is a peer of the transport)``. ``session_ids=None`` skips the session check,
+        ``peers=False`` those against the peers. Reads only; thread-safe.
 
         Raises:
             TypeError: ``info`` is not a :class:`TransferInfo`.
@@ -542,9 +456,7 @@ class KVManager:
         """
         if not isinstance(info, TransferInfo):
             raise TypeError(f"info must be a TransferInfo, got {type(info).__name__}")
-        # An info built directly, bypassing make_transfer_info, is checked and normalised
-        # here (exact str id, read-only int64 pages of our own); one it made is as is.
-        info = checked_info(info)
+        info = checked_info(info)  # one not made by make_transfer_info is checked here
         if info.byte_range is not None and self.staging_pool is None:
             raise ValueError("byte_range (a TP slice of each page) needs a staging pool")
         if self.staging_pool is not None:
@@ -577,9 +489,8 @@ class KVManager:
         """Set how many KV pages the room will send (``init``). Thread-safe; atomic.
 
         Raises:
-            TypeError, ValueError: bad count, or larger than a session's ``dst_pages``
-                (nothing changes; an info that comes later is checked by
-                :meth:`add_transfer_info`).
+            TypeError, ValueError: bad count, or more than a session's ``dst_pages`` (nothing
+                changes).
         """
         _check_handle(handle)
         num_kv_indices = check_index(num_kv_indices, "num_kv_indices")
@@ -600,30 +511,24 @@ class KVManager:
     def submit_chunk(
         self, handle: RoomHandle, chunk_idx: int, start: int, kv_indices: PageArray, is_last: bool
     ) -> int:
-        """Queue chunk ``chunk_idx`` (room pages ``[start, start+len)``) for every session.
-
-        Returns the number of chunks made (one per session; 0 if the room is purged or
-        failed: refused). Without a staging pool the chunks of one call are registered in
-        one critical section and posted together, one NIXL write per session. With
-        ``num_workers=0`` the transfers are started here, on the caller's thread; a
-        transport error there fails the room (it is never raised). Thread-safe.
+        """Queue chunk ``chunk_idx`` (room pages ``[start, start+len)``) for every session;
+        the number of chunks made (0 for a purged or failed room). Inline
+        (``num_workers=0``) the transfers start here; a transport error fails the room, never
+        raised. Thread-safe.
 
         Raises:
-            TypeError, ValueError: bad ``chunk_idx``/``start``; the room is not ready (no
-                infos / no init), ``chunk_idx`` already submitted, indices out of range of
-                the KV pool, or past ``num_kv_indices``; with a staging pool, more pages for
-                a session (past its decode prefix) than a slot holds. Nothing changes in
-                these cases.
+            TypeError, ValueError: bad ``chunk_idx``/``start``, the room not ready,
+                ``chunk_idx`` repeated, indices outside the KV pool or past
+                ``num_kv_indices``, more pages for a session than a slot holds. Nothing
+                changes.
         """
         _check_handle(handle)
         return self.pipeline.submit(handle, chunk_idx, start, kv_indices, is_last)
 
     def progress(self, handle: RoomHandle) -> None:
-        """Inline mode: poll the room's pending transfers, and every draining one, once each.
-
-        A transport error fails the chunk's room (never raised). Safe from several threads
-        at once: each chunk still ends exactly once. With workers it only sweeps hung chunks
-        when a sweep is due (every 50 ms). Thread-safe.
+        """Inline mode: poll the room's pending transfers and every draining one, once each;
+        with workers, sweep hung chunks when due. A transport error fails the chunk's room,
+        never raised. Thread-safe.
 
         Raises:
             TypeError: ``handle`` is not a :class:`RoomHandle`.
@@ -632,16 +537,13 @@ class KVManager:
         self.pipeline.progress(handle)
 
     def record_failure(self, handle: RoomHandle, exc: BaseException | None, reason: str) -> bool:
-        """Fail the room: status ``Failed``, keep ``exc`` (first one wins) and ``reason``.
-
-        Refused (``False``, counted) for a purged room. Thread-safe; write lock, then the
-        failure lock; atomic.
-        """
+        """Fail the room: status ``Failed``, keep ``exc`` (first one wins) and ``reason``;
+        ``False`` (counted) for a purged room. Thread-safe; atomic."""
         return self.rooms.fail(handle, exc, reason)
 
     def pop_exception(self, handle: RoomHandle) -> BaseException | None:
-        """Remove and return the stored exception of that opening (``None`` if the opening is
-        purged or none is stored). Thread-safe; write lock; atomic with the ownership check.
+        """Remove and return that opening's stored exception (``None`` if purged or none).
+        Thread-safe; atomic with the ownership check.
 
         Raises:
             TypeError: ``handle`` is not a :class:`RoomHandle`.
@@ -653,9 +555,8 @@ class KVManager:
             return self.rooms.exceptions.pop(handle.room, None)
 
     def pop_failure_record(self, handle: RoomHandle) -> str | None:
-        """Remove and return the failure reason of that opening (``None`` if the opening is
-        purged or none is recorded). Thread-safe; write lock, then the failure lock; atomic
-        with the ownership check.
+        """Remove and return that opening's failure reason (``None`` if purged or none).
+        Thread-safe; atomic with the ownership check.
 
         Raises:
             TypeError: ``handle`` is not a :class:`RoomHandle`.
@@ -671,14 +572,10 @@ class KVManager:
     def purge_room(self, room: int | RoomHandle) -> ManagerPurge:
         """Remove the room from every table, the staging context and the slot pool at once.
 
-        All-or-nothing and never raises for a state reason: it waits for the room's post
-        gate (a thread that is posting chunks of the room finishes posting first; no chunk
-        of this opening is posted after this returns) and takes the staging lock without
-        its ``lock_timeout``. Posted transfers of the room are not released (NIXL cannot
-        cancel a write): they *drain* (see :meth:`draining`, :meth:`wait_drained`); their
-        slots go back to the pool when they end. Idempotent; a stale handle never purges a
-        newer opening. A room purged before it concluded is logged (INFO). Thread-safe: post
-        gate, then one write critical section (room table -> staging -> failure lock).
+        All-or-nothing, untimed, never raises for a state reason; no chunk of this opening
+        is posted after it returns, and posted ones drain (:meth:`draining`). Idempotent; a
+        stale handle never purges a newer opening. Thread-safe (docs/THREADING.md, "Why
+        `clear()` is safe from any thread").
 
         Raises:
             TypeError, ValueError: bad ``room``.
@@ -690,11 +587,9 @@ class KVManager:
         return self.rooms.purge(check_room_id(room_id), generation)
 
     def fail_session(self, session_id: str, reason: str) -> frozenset[int]:
-        """A decode peer died: fail every open, unconcluded room with a transfer to it.
-
-        Drops the session's staging keys (``purge_session``, which never times out). Returns
-        the rooms failed. Logged once (WARNING), naming the rooms. Thread-safe; one write
-        critical section; never raises for a state reason.
+        """A decode peer died: fail every open, unconcluded room with a transfer to it, drop
+        the session's staging keys; the rooms failed. Thread-safe; atomic; never raises for a
+        state reason.
 
         Raises:
             TypeError, ValueError: bad ``session_id``.
@@ -702,24 +597,14 @@ class KVManager:
         return self.rooms.fail_session(check_session_id(session_id), reason)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Refuse new rooms, purge every open room, drain, stop the workers. Idempotent.
+        """Refuse new rooms, purge every open room, drain, stop the workers and the notifier.
+        Idempotent; atomic against :meth:`open_room`; safe from any thread, also a listener
+        callback on a worker (that worker exits once the callback returns).
 
-        ``close`` and :meth:`open_room` are mutually atomic: a room is either refused or
-        purged here. Transfers still in flight after ``timeout_s`` are *abandoned*: counted
-        in ``stats().transfers_abandoned``, and their rooms get no room notice (counted in
-        ``stats().notices_withheld``). An abandoned transfer that NIXL may still move bytes
-        for is not released: its chunk stays draining (``draining()`` counts it) until a
-        later :meth:`wait_drained` sees NIXL settle it, or the transport is closed (which
-        releases it; after ``NixlTransport.close`` nothing of it moves any more). So
-        ``draining(handle) == 0`` still means the opening's pages may be reused. A chunk
-        that another thread had claimed is not abandoned: ``close`` waits for its end (at
-        least 0.5 s) so its room's notice is queued. Notices already queued are sent within the same
-        ``timeout_s`` (at least 0.5 s); a notifier blocked on an unreachable peer is left
-        behind (a daemon thread) rather than failing ``close``. Safe from any thread, also
-        from a transfer worker (a listener callback runs there): that worker is not joined (a
-        thread cannot join itself); its stop is queued and it exits once the callback
-        returns. A worker's pause between polls (``poll_interval_s``) is a wait on its unit
-        queue, which the stop ends at once, so a long pause never outlasts the join.
+        Transfers still in flight after ``timeout_s`` are abandoned (counted; their rooms'
+        notices withheld) and stay draining until NIXL settles them or the transport closes.
+        Chunk ends other threads claimed, and queued notices, get at least 0.5 s; a notifier
+        blocked on an unreachable peer is left behind (a daemon thread).
 
         Raises:
             TypeError, ValueError: bad ``timeout_s`` (not a number >= 0; ``inf`` waits as long
@@ -736,9 +621,7 @@ class KVManager:
         abandoned = pipeline.abandon_draining()
         if abandoned:
             rooms.count("transfers_abandoned", abandoned)
-        # A chunk that another thread claimed before us is not abandoned: its end (a release
-        # and its accounting) is in progress and queues its room's notice. Wait for those
-        # ends before the notifier is told to stop, at least _CLAIMED_END_GRACE_S.
+        # Chunks other threads claimed are ending and will queue their rooms' notices: wait.
         # mutant-site: close-set-settle-until
         settle_until = max(deadline, time.monotonic() + _CLAIMED_END_GRACE_S)
         while True:
@@ -747,13 +630,10 @@ class KVManager:
             if not ending or time.monotonic() >= settle_until:
                 break
             time.sleep(0.0005)
-        # What is still held belongs to ends still in progress after the grace (a release
-        # stuck in NIXL): withheld, its bytes are not known to have drained.
+        # Still held after the grace: a release stuck in NIXL, its bytes may not have drained.
         self.notifier.withhold_all()
         alive = pipeline.join_workers(deadline)
-        # Best effort: a notice to a partitioned peer may block inside NIXL; the notifier is
-        # a daemon and is left behind rather than failing close(). It gets at least the
-        # grace, as the workers do: the notices of a close are what the decode side waits for.
+        # At least the grace: a close's notices are what the decode side waits for.
         # mutant-site: close-call-stop
         self.notifier.stop(max(_CLAIMED_END_GRACE_S, deadline - time.monotonic()))
         if alive:
@@ -767,8 +647,8 @@ class KVManager:
 
 
 def _check_staged_page(info: TransferInfo, kv_page_bytes: int, pool_page_bytes: int) -> None:
-    """The info's staged page (its ``byte_range`` slice of a KV page, or the whole page)
-    fits the staging pool's pages exactly. Raises ValueError, naming the sizes."""
+    """ValueError unless the info's staged page (``byte_range`` slice or whole KV page) is
+    the staging pool's page size."""
     if info.byte_range is None:
         start, length = 0, kv_page_bytes
     else:
@@ -793,13 +673,8 @@ def _check_transport(
     staging_region: str,
     staging_pool: StagingBufferPool | None,
 ) -> None:
-    """Refuse a configuration the first transfer would fail on (see ``KVManager``'s
-    ``Raises``). A transport without ``closed``/``regions`` (a test double) is not checked.
-
-    Raises:
-        ValueError: the transport is closed, a region is not registered, or ``kv_pool`` is
-            not the registered ``kv_region``.
-    """
+    """ValueError for a configuration the first transfer would fail on (a transport without
+    ``closed``/``regions``, a test double, passes)."""
     if getattr(transport, "closed", False) is True:
         raise ValueError(f"transport {transport!r} is closed")
     regions_of = getattr(transport, "regions", None)

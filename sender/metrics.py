@@ -1,29 +1,12 @@
 """Prometheus metrics of a sender (the optional ``metrics`` extra: ``prometheus-client``).
 
-* :class:`SenderCollector` — a custom collector that reads, at each scrape, the ``stats()``
-  of a :class:`~sender.manager.KVManager`, a :class:`~sender.transport.NixlTransport`, a
-  :class:`~staging.context.StagingContext` (with its lock) and a
-  :class:`~staging.buffers.StagingBufferPool`, any of them optional, and exposes counters
-  (``_total``) and gauges named by Prometheus conventions (base units in names).
-* :class:`LatencyHistograms` — a :class:`~sender.events.ManagerEvents` listener: room latency
-  (open -> conclusion) and chunk latency (start -> end) histograms by outcome, and rooms by
-  outcome and reason code as counters.
+* :class:`SenderCollector`: at each scrape, reads the ``stats()`` of a manager, transport,
+  staging context (and its lock) and slot pool, each optional; never calls into NIXL.
+* :class:`LatencyHistograms`: a :class:`~sender.events.ManagerEvents` listener (room and
+  chunk latency by outcome, rooms by outcome and reason code).
 
-Every metric name, label and meaning is listed in docs/METRICS.md. Usage::
-
-    from prometheus_client import CollectorRegistry, generate_latest
-    registry = CollectorRegistry()
-    registry.register(SenderCollector.from_manager(mgr))
-    events = LatencyHistograms(registry)          # pass to the manager as its listener
-    text = generate_latest(registry)              # or prometheus_client.start_http_server
-
-Reading ``stats()`` takes each object's lock for a moment (a read lock where it has one); a
-scrape never calls into NIXL. A source whose ``stats()`` raises (e.g. a transport closed
-under the scrape) is left out of that scrape and counted in
-``nixl_staging_scrape_errors_total{source}``; the scrape itself does not fail.
-
-Importing this module without ``prometheus_client`` raises :class:`ModuleNotFoundError`
-naming the extra.
+Names, labels, meanings and usage: docs/METRICS.md. Without ``prometheus_client``, importing
+this module raises :class:`ModuleNotFoundError` naming the extra.
 """
 
 from __future__ import annotations
@@ -69,8 +52,7 @@ CHUNK_BUCKETS_S: tuple[float, ...] = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
     0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
-"""Chunk latency buckets (seconds): a 64 KiB write takes tens of µs here, a hung one its
-transfer deadline (30 s by default)."""
+"""Chunk latency buckets (seconds): from a small write's tens of µs to a transfer deadline."""
 
 _LABEL_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _OTHER = "other"
@@ -119,41 +101,135 @@ class _Families:
             self.out[full] = family
         return family
 
-    def counter(self, name: str, doc: str, value: float | None, **labels: str) -> None:
-        """One sample of counter ``name`` (without ``_total``); ``None`` adds nothing."""
+    def add(self, kind: str, name: str, doc: str, value: float | None, **labels: str) -> None:
+        """One sample of ``kind`` (``"counter"``/``"gauge"``) ``name`` (a counter's without
+        ``_total``); ``None`` adds nothing."""
         if value is None:
             return
-        fam = self._family("counter", name, doc, list(labels))
+        fam = self._family(kind, name, doc, list(labels))
         fam.add_metric([*self._const.values(), *labels.values()], value)  # type: ignore[attr-defined]
 
-    def gauge(self, name: str, doc: str, value: float | None, **labels: str) -> None:
-        """One sample of gauge ``name``; ``None`` adds nothing."""
-        if value is None:
-            return
-        fam = self._family("gauge", name, doc, list(labels))
-        fam.add_metric([*self._const.values(), *labels.values()], value)  # type: ignore[attr-defined]
+
+_Row = tuple[str, str, str, str, Mapping[str, str]]
+"""``(kind, name, stats field, doc, labels)``: one sample of a scrape (:meth:`_Families.add`),
+its value the source's ``stats()`` field."""
+
+
+def _by(
+    kind: str, name: str, doc: str, label: str, fields: Sequence[tuple[str, str]]
+) -> tuple[_Row, ...]:
+    """The rows of one family whose samples differ by ``label``: ``(label value, field)``."""
+    return tuple((kind, name, field, doc, {label: value}) for value, field in fields)
+
+
+def _add_rows(f: _Families, st: Any, rows: Sequence[_Row], **labels: str) -> None:
+    """Add ``rows`` read from ``st`` (``None``: nothing); ``labels`` come first."""
+    if st is None:
+        return
+    for kind, name, field, doc, own in rows:
+        f.add(kind, name, doc, _number(st, field), **labels, **own)
+
+
+_LATE_WRITES = "writes for a purged or reopened room, refused"
+
+_MANAGER_ROOM_ROWS: tuple[_Row, ...] = (
+    ("gauge", "rooms_open", "open_rooms", "rooms open now (opened, not yet purged)", {}),
+    ("counter", "rooms_opened", "rooms_opened", "rooms opened", {}),
+    *_by("counter", "rooms_concluded",
+         "rooms concluded, by outcome (success, failed, cleared before concluding)", "outcome",
+         (("success", "rooms_succeeded"), ("failed", "rooms_failed"),
+          ("cleared", "rooms_cleared"))),
+)  # fmt: skip
+"""A manager's rows before ``rooms_failed`` by code; :data:`_MANAGER_ROWS` after it."""
+
+_MANAGER_ROWS: tuple[_Row, ...] = (
+    ("counter", "room_purges", "purges", "room purges (clear, abort, failure_exception)", {}),
+    ("counter", "sessions_failed", "sessions_failed",
+     "decode sessions failed as a whole (peer dead or hung)", {}),
+    ("counter", "chunks_submitted", "chunks_submitted", "chunks submitted", {}),
+    *_by("counter", "chunks_ended",
+         "chunks ended, by outcome (done + failed + skipped + drained = submitted)", "outcome",
+         [(outcome, f"chunks_{outcome}") for outcome in CHUNK_OUTCOMES]),
+    ("counter", "chunks_released_by_transport", "chunks_released_by_transport",
+     "chunks whose transfer the transport released (peer removed)", {}),
+    ("gauge", "transfers_in_flight", "transfers_inflight",
+     "chunk transfers posted for open rooms, not yet ended", {}),
+    ("gauge", "transfers_draining", "transfers_draining",
+     "chunk transfers posted for purged rooms, not yet ended (their pages are not free)", {}),
+    ("counter", "transfers_abandoned", "transfers_abandoned",
+     "hung transfers given up at close", {}),
+    ("counter", "late_writes_refused", "refused_late_writes", _LATE_WRITES,
+     {"component": "manager"}),
+    ("counter", "worker_errors", "worker_errors", "unexpected errors in transfer workers", {}),
+    *_by("counter", "room_notices", "room notices to decode sessions, by result", "result",
+         (("sent", "notices_sent"), ("failed", "notices_failed"),
+          ("withheld", "notices_withheld"), ("skipped_dead", "notices_skipped_dead"))),
+    ("counter", "posted_bytes", "bytes_posted",
+     "payload bytes of posted chunks (every posted write, counted at its end)", {}),
+)  # fmt: skip
+
+_TRANSPORT_ROWS: tuple[_Row, ...] = (
+    ("counter", "transport_transfers_started", "transfers_started",
+     "transfers posted to NIXL", {}),
+    *_by("counter", "transport_transfers_ended", "transfers ended, by outcome", "outcome",
+         (("done", "transfers_done"), ("failed", "transfers_failed"),
+          ("timed_out", "transfers_timed_out"))),
+    ("counter", "transport_transfers_released", "transfers_released",
+     "transfer handles released", {}),
+    ("gauge", "transport_transfers_live", "live_transfers",
+     "transfer handles not yet released", {}),
+    ("counter", "transport_release_refused", "release_refused",
+     "handle releases NIXL refused (active, cannot cancel; retried at close)", {}),
+    ("gauge", "transport_peers", "peers", "decode peers added", {}),
+    ("gauge", "transport_regions", "regions", "memory regions registered", {}),
+)  # fmt: skip
+
+_STAGING_ROWS: tuple[_Row, ...] = (
+    ("gauge", "context_rooms_open", "open_rooms", "staging rooms open", {}),
+    ("gauge", "context_rooms_prefetched", "prefetched_rooms", "staging rooms prefetched", {}),
+    ("gauge", "context_prefetch_keys", "requested_keys", "prefetch keys requested", {}),
+    ("counter", "context_rooms_opened", "rooms_opened", "staging rooms opened", {}),
+    ("counter", "context_purges", "purges", "staging room purges", {}),
+    ("counter", "context_session_purges", "session_purges", "staging session purges", {}),
+    ("counter", "late_writes_refused", "refused_late_writes", _LATE_WRITES,
+     {"component": "staging"}),
+)  # fmt: skip
+
+_LOCK_ROWS: tuple[_Row, ...] = (
+    *_by("counter", "lock_acquisitions", "lock acquisitions, by lock and mode", "mode",
+         (("read", "read_acquisitions"), ("write", "write_acquisitions"))),
+    ("counter", "lock_contended", "contended",
+     "acquisitions that found the lock busy (measured for mutexes, and for RW "
+     "locks in debug mode; 0 otherwise)", {}),
+    ("counter", "lock_timeouts", "timeouts", "lock waits that timed out", {}),
+)  # fmt: skip
+"""Added per lock, labelled ``lock`` (first) by its name."""
+
+_POOL_ROWS: tuple[_Row, ...] = (
+    ("gauge", "pool_slots", "num_slots", "staging slots in the pool", {}),
+    ("gauge", "pool_slots_in_use", "in_use", "staging slots leased now", {}),
+    ("gauge", "pool_slots_free", "free", "staging slots free now", {}),
+    ("gauge", "pool_owners", "owners", "owners holding staging slots now", {}),
+    ("counter", "pool_acquisitions", "acquired", "staging slots leased", {}),
+    ("counter", "pool_releases", "released", "staging slots returned", {}),
+    ("counter", "pool_exhausted", "exhausted", "lease attempts that found no free slot", {}),
+)
 
 
 class SenderCollector:
-    """A Prometheus collector over the ``stats()`` of a sender's parts (see the module doc).
+    """A Prometheus collector over the ``stats()`` of a sender's parts (each optional).
 
     Args:
-        manager: A ``KVManager`` (``ManagerStats``), or ``None``.
-        transport: A ``NixlTransport`` (``TransportStats``), or ``None``.
-        staging: A ``StagingContext`` (``StagingStats``, its lock's ``LockStats``), or
-            ``None``.
-        pool: A ``StagingBufferPool`` (``PoolStats``), or ``None``.
-        locks: More locks of the model (``staging.locks``: anything whose ``stats()`` is a
-            ``LockStats``) whose acquisitions and contention to expose.
-        labels: Constant labels added to every sample (e.g. ``{"engine": "prefill-0"}``) to
-            tell several senders of one process apart.
+        manager: A ``KVManager``, or ``None``.
+        transport: A ``NixlTransport``, or ``None``.
+        staging: A ``StagingContext`` (its lock's stats too), or ``None``.
+        pool: A ``StagingBufferPool``, or ``None``.
+        locks: More locks of the model (anything whose ``stats()`` is a ``LockStats``).
+        labels: Constant labels added to every sample (e.g. ``{"engine": "prefill-0"}``).
         namespace: Metric name prefix.
 
-    Fields a ``stats()`` does not have (yet) are left out, never reported as 0.
-
-    Thread-safety: ``collect()`` may run on any thread (the scrape's), concurrently with the
-    sender's threads and with another ``collect()``. ``_lock`` guards the scrape-error
-    counts only.
+    Thread-safety: ``collect()`` may run on any thread, also beside another ``collect()``.
+    ``_lock`` guards the scrape-error counts only.
 
     Raises:
         TypeError: A source has no callable ``stats``; a label value is not a ``str``.
@@ -199,8 +275,8 @@ class SenderCollector:
         labels: Mapping[str, str] | None = None,
         namespace: str = NAMESPACE,
     ) -> SenderCollector:
-        """A collector over ``manager`` and the parts it holds: its ``transport``, its
-        ``staging`` context and its ``staging_pool`` (when it has one).
+        """A collector over ``manager`` and its ``transport``, ``staging`` and
+        ``staging_pool``.
 
         Raises:
             TypeError, ValueError: as the constructor.
@@ -230,181 +306,32 @@ class SenderCollector:
             return None
 
     def collect(self) -> Iterator[Metric]:
-        """The metric families of one scrape (called by the registry). Raises: nothing
-        from the sources (a failing ``stats()`` is counted, see :meth:`scrape_errors`)."""
+        """The metric families of one scrape. Raises: nothing from the sources (a failing
+        ``stats()`` is left out and counted, :meth:`scrape_errors`)."""
         f = _Families(self._namespace, self._labels)
-        self._manager_metrics(f, self._stats(self._manager, "manager"))
-        self._transport_metrics(f, self._stats(self._transport, "transport"))
-        staging = self._stats(self._staging, "staging")
-        self._staging_metrics(f, staging)
-        lock_stats = [getattr(staging, "lock", None)] if staging is not None else []
-        lock_stats += [self._stats(lock, f"lock[{i}]") for i, lock in enumerate(self._locks)]
-        self._lock_metrics(f, [s for s in lock_stats if s is not None])
-        self._pool_metrics(f, self._stats(self._pool, "pool"))
-        errors = self.scrape_errors()
-        doc = "stats() calls that raised during a scrape (that source was left out)"
-        f.counter("scrape_errors", doc, 0.0, source="none")  # the family always exists
-        for source, n in sorted(errors.items()):
-            f.counter("scrape_errors", doc, float(n), source=source)
-        yield from f.out.values()
-
-    # ------------------------------------------------------------------ per source
-
-    @staticmethod
-    def _manager_metrics(f: _Families, st: Any) -> None:
-        if st is None:
-            return
-        n = _number
-        f.gauge("rooms_open", "rooms open now (opened, not yet purged)", n(st, "open_rooms"))
-        f.counter("rooms_opened", "rooms opened", n(st, "rooms_opened"))
-        doc = "rooms concluded, by outcome (success, failed, cleared before concluding)"
-        for outcome, field in (
-            ("success", "rooms_succeeded"),
-            ("failed", "rooms_failed"),
-            ("cleared", "rooms_cleared"),
-        ):
-            f.counter("rooms_concluded", doc, n(st, field), outcome=outcome)
-        by_code = getattr(st, "rooms_failed_by_code", None)
+        manager = self._stats(self._manager, "manager")
+        _add_rows(f, manager, _MANAGER_ROOM_ROWS)
+        by_code = getattr(manager, "rooms_failed_by_code", None)
         if isinstance(by_code, Mapping):
             doc = "failed rooms, by reason code (the room-notice codes of sender.notices)"
             for code, count in sorted(by_code.items()):
                 if isinstance(count, int) and not isinstance(count, bool):
-                    f.counter("rooms_failed", doc, float(count), code=str(code))
-        f.counter("room_purges", "room purges (clear, abort, failure_exception)", n(st, "purges"))
-        f.counter(
-            "sessions_failed",
-            "decode sessions failed as a whole (peer dead or hung)",
-            n(st, "sessions_failed"),
-        )
-        f.counter("chunks_submitted", "chunks submitted", n(st, "chunks_submitted"))
-        doc = "chunks ended, by outcome (done + failed + skipped + drained = submitted)"
-        for outcome in CHUNK_OUTCOMES:
-            f.counter("chunks_ended", doc, n(st, f"chunks_{outcome}"), outcome=outcome)
-        f.counter(
-            "chunks_released_by_transport",
-            "chunks whose transfer the transport released (peer removed)",
-            n(st, "chunks_released_by_transport"),
-        )
-        f.gauge(
-            "transfers_in_flight",
-            "chunk transfers posted for open rooms, not yet ended",
-            n(st, "transfers_inflight"),
-        )
-        f.gauge(
-            "transfers_draining",
-            "chunk transfers posted for purged rooms, not yet ended (their pages are not free)",
-            n(st, "transfers_draining"),
-        )
-        f.counter(
-            "transfers_abandoned",
-            "hung transfers given up at close",
-            n(st, "transfers_abandoned"),
-        )
-        f.counter(
-            "late_writes_refused",
-            "writes for a purged or reopened room, refused",
-            n(st, "refused_late_writes"),
-            component="manager",
-        )
-        f.counter("worker_errors", "unexpected errors in transfer workers", n(st, "worker_errors"))
-        doc = "room notices to decode sessions, by result"
-        for result, field in (
-            ("sent", "notices_sent"),
-            ("failed", "notices_failed"),
-            ("withheld", "notices_withheld"),
-            ("skipped_dead", "notices_skipped_dead"),
-        ):
-            f.counter("room_notices", doc, n(st, field), result=result)
-        f.counter(
-            "posted_bytes",
-            "payload bytes of posted chunks (every posted write, counted at its end)",
-            n(st, "bytes_posted"),
-        )
-
-    @staticmethod
-    def _transport_metrics(f: _Families, st: Any) -> None:
-        if st is None:
-            return
-        n = _number
-        f.counter(
-            "transport_transfers_started",
-            "transfers posted to NIXL",
-            n(st, "transfers_started"),
-        )
-        doc = "transfers ended, by outcome"
-        for outcome, field in (
-            ("done", "transfers_done"),
-            ("failed", "transfers_failed"),
-            ("timed_out", "transfers_timed_out"),
-        ):
-            f.counter("transport_transfers_ended", doc, n(st, field), outcome=outcome)
-        f.counter(
-            "transport_transfers_released",
-            "transfer handles released",
-            n(st, "transfers_released"),
-        )
-        f.gauge(
-            "transport_transfers_live",
-            "transfer handles not yet released",
-            n(st, "live_transfers"),
-        )
-        f.counter(
-            "transport_release_refused",
-            "handle releases NIXL refused (active, cannot cancel; retried at close)",
-            n(st, "release_refused"),
-        )
-        f.gauge("transport_peers", "decode peers added", n(st, "peers"))
-        f.gauge("transport_regions", "memory regions registered", n(st, "regions"))
-
-    @staticmethod
-    def _staging_metrics(f: _Families, st: Any) -> None:
-        if st is None:
-            return
-        n = _number
-        f.gauge("context_rooms_open", "staging rooms open", n(st, "open_rooms"))
-        f.gauge("context_rooms_prefetched", "staging rooms prefetched", n(st, "prefetched_rooms"))
-        f.gauge("context_prefetch_keys", "prefetch keys requested", n(st, "requested_keys"))
-        f.counter("context_rooms_opened", "staging rooms opened", n(st, "rooms_opened"))
-        f.counter("context_purges", "staging room purges", n(st, "purges"))
-        f.counter("context_session_purges", "staging session purges", n(st, "session_purges"))
-        f.counter(
-            "late_writes_refused",
-            "writes for a purged or reopened room, refused",
-            n(st, "refused_late_writes"),
-            component="staging",
-        )
-
-    @staticmethod
-    def _lock_metrics(f: _Families, all_stats: Sequence[Any]) -> None:
-        n = _number
-        for st in all_stats:
-            name = str(getattr(st, "name", "?"))
-            doc = "lock acquisitions, by lock and mode"
-            f.counter("lock_acquisitions", doc, n(st, "read_acquisitions"), lock=name, mode="read")
-            f.counter(
-                "lock_acquisitions", doc, n(st, "write_acquisitions"), lock=name, mode="write"
-            )
-            f.counter(
-                "lock_contended",
-                "acquisitions that found the lock busy (measured for mutexes, and for RW "
-                "locks in debug mode; 0 otherwise)",
-                n(st, "contended"),
-                lock=name,
-            )
-            f.counter("lock_timeouts", "lock waits that timed out", n(st, "timeouts"), lock=name)
-
-    @staticmethod
-    def _pool_metrics(f: _Families, st: Any) -> None:
-        if st is None:
-            return
-        n = _number
-        f.gauge("pool_slots", "staging slots in the pool", n(st, "num_slots"))
-        f.gauge("pool_slots_in_use", "staging slots leased now", n(st, "in_use"))
-        f.gauge("pool_slots_free", "staging slots free now", n(st, "free"))
-        f.gauge("pool_owners", "owners holding staging slots now", n(st, "owners"))
-        f.counter("pool_acquisitions", "staging slots leased", n(st, "acquired"))
-        f.counter("pool_releases", "staging slots returned", n(st, "released"))
-        f.counter("pool_exhausted", "lease attempts that found no free slot", n(st, "exhausted"))
+                    f.add("counter", "rooms_failed", doc, float(count), code=str(code))
+        _add_rows(f, manager, _MANAGER_ROWS)
+        _add_rows(f, self._stats(self._transport, "transport"), _TRANSPORT_ROWS)
+        staging = self._stats(self._staging, "staging")
+        _add_rows(f, staging, _STAGING_ROWS)
+        lock_stats = [getattr(staging, "lock", None)] if staging is not None else []
+        lock_stats += [self._stats(lock, f"lock[{i}]") for i, lock in enumerate(self._locks)]
+        for st in lock_stats:
+            _add_rows(f, st, _LOCK_ROWS, lock=str(getattr(st, "name", "?")))
+        _add_rows(f, self._stats(self._pool, "pool"), _POOL_ROWS)
+        errors = self.scrape_errors()
+        doc = "stats() calls that raised during a scrape (that source was left out)"
+        f.add("counter", "scrape_errors", doc, 0.0, source="none")  # the family always exists
+        for source, n in sorted(errors.items()):
+            f.add("counter", "scrape_errors", doc, float(n), source=source)
+        yield from f.out.values()
 
 
 def _check_buckets(buckets: Sequence[float], what: str) -> tuple[float, ...]:
@@ -417,27 +344,19 @@ def _check_buckets(buckets: Sequence[float], what: str) -> tuple[float, ...]:
 
 
 class LatencyHistograms:
-    """A :class:`~sender.events.ManagerEvents` listener that feeds Prometheus metrics:
-
-    * ``nixl_staging_room_duration_seconds{outcome}`` — open -> conclusion;
-    * ``nixl_staging_chunk_duration_seconds{outcome}`` — chunk start -> end;
-    * ``nixl_staging_room_outcomes_total{outcome,code}`` — rooms by outcome and reason code;
-    * ``nixl_staging_chunk_bytes_total{outcome}`` — chunk payload bytes by outcome.
-
-    An outcome or code outside the documented sets is counted as ``"other"`` (label values
-    stay a small, fixed set); a negative latency counts as 0, a non-finite one is not
-    observed (the counters still count the event).
+    """A :class:`~sender.events.ManagerEvents` listener feeding room and chunk latency
+    histograms, rooms by outcome and code, and chunk bytes (docs/METRICS.md). An unknown
+    outcome or code counts as ``"other"``; a non-finite latency is not observed.
 
     Args:
         registry: Where the metrics are registered (``None``: prometheus_client's default
-            ``REGISTRY``). Two instances cannot share one registry (duplicate names).
+            ``REGISTRY``). Two instances cannot share one registry.
         room_buckets: Room latency bucket bounds, seconds (increasing, > 0).
         chunk_buckets: Chunk latency bucket bounds, seconds.
-        labels: Constant labels added to every sample (as :class:`SenderCollector`'s).
+        labels: Constant labels added to every sample.
         namespace: Metric name prefix.
 
-    Thread-safety: both methods may be called from any number of threads at once
-    (prometheus_client's metrics are thread-safe); they take no lock of the sender.
+    Thread-safety: both methods are safe from any threads at once; no lock of the sender.
 
     Raises:
         ValueError: Bad buckets or label names, or the names are already registered in
@@ -496,8 +415,7 @@ class LatencyHistograms:
             self.room_seconds.labels(*self._const, outcome).observe(max(0.0, seconds))
 
     def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
-        """Count and time one chunk end (the session is not a label: unbounded values).
-        Thread-safe; raises nothing for any values."""
+        """Count and time one chunk end. Thread-safe; raises nothing for any values."""
         outcome = outcome if outcome in CHUNK_OUTCOMES else _OTHER
         if nbytes > 0:
             self.chunk_bytes.labels(*self._const, outcome).inc(nbytes)

@@ -1,15 +1,9 @@
-"""``NixlKVSender``: the per-request sender object an engine's scheduler drives.
+"""``NixlKVSender``: the per-request sender an engine's scheduler drives.
 
-The scheduler creates one per request (room), calls ``init`` once the number of KV pages is
-known, ``send`` once per chunk (the last chunk concludes the room), ``poll`` every step, and
-then ``clear()`` on ``Success`` or ``failure_exception()`` on ``Failed``. The attribute names
-(``bootstrap_room``, ``conclude_state``, ``_send_failed``, ``_send_error``, ``kv_mgr``)
-mirror upstream senders so that their users recognise them.
-
-Contract (see ``docs/THREADING.md``): ``send`` and ``poll`` never raise for a transport
-failure — they report ``KVPoll.Failed`` and keep the exception; only bad arguments raise.
-``failure_exception`` raises by design, after purging the room. ``clear`` is idempotent and
-safe from any thread.
+One per room: ``init`` once, ``send`` per chunk (the last concludes the room), ``poll`` every
+step, then ``clear()`` on ``Success`` or ``failure_exception()`` on ``Failed``. Attribute
+names (``bootstrap_room``, ``conclude_state``, ``_send_failed``, ``kv_mgr``, ...) mirror
+upstream senders. ``send``/``poll`` never raise for a transport failure (docs/THREADING.md).
 """
 
 from __future__ import annotations
@@ -27,15 +21,12 @@ from staging.context import RoomHandle
 from staging.validate import check_index, check_room_id, check_session_id
 
 _INT64 = np.dtype(np.int64)
-
-
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def _as_indices(kv_indices: Sequence[int] | PageArray, what: str, num_pages: int) -> PageArray:
-    """Validate a 1-D list/array of integer page indices (bools refused); an index outside
-    ``[0, num_pages)`` is named with its position (the rest of the bounds check is the
-    manager's, one pass)."""
+    """Validate 1-D integer page indices (bools refused) as a contiguous int64 array; the
+    bounds check is the manager's, except a uint64 past int64's range."""
     if (
         type(kv_indices) is np.ndarray
         and kv_indices.dtype is _INT64
@@ -44,7 +35,7 @@ def _as_indices(kv_indices: Sequence[int] | PageArray, what: str, num_pages: int
     ):
         return kv_indices  # the common case: already what the manager takes
     arr = np.asarray(kv_indices)
-    # dtype.kind, not np.issubdtype (~2.5 us a call here): this runs once per chunk.
+    # dtype.kind, not np.issubdtype: cheaper, and this runs once per chunk.
     if arr.dtype.kind == "b" or (arr.size and arr.dtype.kind not in "iu"):
         raise TypeError(f"{what} must hold ints, got dtype {arr.dtype}")
     if arr.ndim != 1:
@@ -56,7 +47,6 @@ def _as_indices(kv_indices: Sequence[int] | PageArray, what: str, num_pages: int
         raise ValueError(
             f"{what} out of range [0, {num_pages}): {int(arr[position])} at position {position}"
         )
-    # Negative and too large indices: KVManager.submit_chunk checks both in one pass.
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
@@ -72,19 +62,14 @@ class NixlKVSender:
 
     Raises:
         RoomAlreadyOpenError: a sender for this room is alive (not cleared).
-        TypeError, ValueError: bad room or sessions (a ``str`` instead of a sequence of
-            session ids is refused), or a bad transfer info (the room is then purged).
+        TypeError, ValueError: bad room or sessions (a ``str`` is refused), or a bad transfer
+            info (the room is then purged).
         RuntimeError: the manager is closed.
 
-    Thread-safety: ``init``, ``send``, ``poll``, ``failure_exception`` and ``abort`` are
-    called by the scheduler thread (one thread per sender). ``clear`` is safe from any
-    thread, concurrently with everything. In debug mode (``mgr.debug``) the sender notices a
-    second thread entering one of the scheduler-thread methods while another thread is inside
-    one: ``init``, ``send`` and ``failure_exception`` raise
-    :class:`~sender.errors.ConcurrentSenderUseError` naming both threads, ``poll`` and
-    ``abort`` (which never raise) fail the room with it. Handing the sender to another
-    thread between calls is allowed. Outside debug mode nothing is checked (the cost is one
-    attribute test per call).
+    Thread-safety: ``init``, ``send``, ``poll``, ``failure_exception`` and ``abort`` are for
+    one thread at a time (the scheduler's); ``clear`` is safe from any thread. In debug mode
+    an overlap raises (or, in ``poll``/``abort``, fails the room with)
+    :class:`~sender.errors.ConcurrentSenderUseError`.
     """
 
     def __init__(
@@ -100,8 +85,7 @@ class NixlKVSender:
             raise TypeError(
                 f"session_ids must be a sequence of session id strings, got {session_ids!r}"
             )
-        # Every check that can refuse an argument runs before the room opens: a constructor
-        # that raises leaves no room opened, cleared, counted or noticed behind.
+        # Every argument check runs before the room opens: a failed constructor leaves nothing.
         room = check_room_id(bootstrap_room)
         sessions = tuple(check_session_id(s) for s in session_ids)
         infos = tuple(mgr.vet_info(info, sessions, room)[0] for info in transfer_infos)
@@ -109,7 +93,6 @@ class NixlKVSender:
         self.bootstrap_room = room
         self.session_ids = sessions
         self._handle: RoomHandle = mgr.open_room(room, sessions)
-        # Debug mode only: notices two threads inside the scheduler-thread methods at once.
         self._one_thread: OneThreadCheck | None = (
             OneThreadCheck(room, self._handle.generation) if mgr.debug else None
         )
@@ -159,18 +142,15 @@ class NixlKVSender:
                 check.leave()
 
     def send(self, kv_indices: Sequence[int] | PageArray) -> None:
-        """Send the next chunk: ``kv_indices`` are prefill KV pages, in room order.
-
-        The chunk that reaches ``num_kv_indices`` pages is the last one and concludes the
-        room. After a failure ``send`` is a no-op. A transport error never propagates: the
-        sender records it (``_send_failed``, ``_send_error``) and ``poll`` says ``Failed``.
-        Scheduler thread.
+        """Send the next chunk of prefill KV pages, in room order; the one reaching
+        ``num_kv_indices`` concludes the room. After a failure a no-op; a transport error is
+        recorded (``_send_error``) for ``poll``, never raised. Scheduler thread.
 
         Raises:
             RuntimeError: ``send`` before ``init``.
             TypeError, ValueError: indices not 1-D ints >= 0, out of the KV pool, past
                 ``num_kv_indices``, an empty chunk that is not the last one, or the room not
-                ready (no decode info yet). No state changes in any of these cases.
+                ready. No state changes.
             ConcurrentSenderUseError: debug mode only: another thread is inside a
                 scheduler-thread method of this sender. No state changes.
         """
@@ -209,15 +189,10 @@ class NixlKVSender:
                 check.leave()
 
     def poll(self) -> KVPoll:
-        """The room's status; never raises. Scheduler thread.
+        """The room's status; a conclusion is kept in ``conclude_state``. Scheduler thread.
 
-        Once ``Success`` or ``Failed`` is seen it is kept in ``conclude_state``.
-
-        Raises: nothing. In debug mode, a ``poll`` that finds another thread inside a
-        scheduler-thread method returns ``Failed`` (without caching it) and fails the room
-        with a :class:`~sender.errors.ConcurrentSenderUseError` naming both threads, which
-        ``failure_exception`` raises: a scheduler loop that trusts ``poll`` not to raise still
-        learns of the misuse through its usual failure path.
+        Raises: nothing. In debug mode an overlap returns ``Failed`` (not cached) and fails
+        the room with a :class:`~sender.errors.ConcurrentSenderUseError`.
         """
         check = self._one_thread
         if check is not None:
@@ -237,8 +212,7 @@ class NixlKVSender:
             except Exception as exc:
                 self._note_failure(exc, f"poll failed: {exc!r}")
                 return KVPoll.Failed
-            if status is None:
-                # Cleared (or reopened by someone else) without a conclusion seen here.
+            if status is None:  # cleared (or reopened) before a conclusion was seen here
                 self.conclude_state = KVPoll.Failed
                 return KVPoll.Failed
             if is_concluded(status):
@@ -249,25 +223,16 @@ class NixlKVSender:
                 check.leave()
 
     def failure_exception(self) -> NoReturn:
-        """Raise why this room failed, after purging every trace of it.
-
-        Purges the room (``clear``) and takes the stored exception and failure record from
-        that purge's result, which holds this opening's and nothing else (never another
-        opening's of the same id), marks the sender ``Failed``, then raises (first that
-        applies): ``_send_error`` (the same object); the stored exception (the same object);
-        ``KVTransferError(room, reason)``; a :class:`~sender.errors.RoomNotFailedError` (a
-        ``KVTransferError`` whose message says there is no failure to report) when the room
-        had succeeded or was cleared before any failure was recorded;
-        ``KVTransferError(room, ..., is_from_another_rank=True)``. A second call raises a
-        ``KVTransferError`` saying the failure was already reported, and changes nothing.
-        Scheduler thread.
+        """Purge the room, mark the sender ``Failed`` and raise why it failed (this
+        opening's error only). Scheduler thread.
 
         Raises:
-            BaseException: always, as described.
-            ConcurrentSenderUseError: debug mode only, instead of the above when another
-                thread is inside a scheduler-thread method of this sender: nothing is purged
-                or marked (the room's own error is still there for a later call; ``clear()``
-                purges it).
+            BaseException: always; the first that applies: ``_send_error``; the stored
+                exception; ``KVTransferError(room, failure_record)``;
+                :class:`~sender.errors.RoomNotFailedError` for a room that succeeded or was
+                cleared first; ``KVTransferError(..., is_from_another_rank=True)``. A second
+                call raises "already reported" and changes nothing.
+            ConcurrentSenderUseError: debug mode, another thread inside: nothing is purged.
         """
         check = self._one_thread
         if check is not None:
@@ -310,21 +275,15 @@ class NixlKVSender:
                 check.leave()
 
     def clear(self) -> None:
-        """Purge every per-room table and the staging state; no chunk of this opening is
-        posted after this returns, and chunks already posted drain (their slots and the
-        room's decode pages are free once ``kv_mgr.draining(handle) == 0``). Idempotent;
-        safe from any thread; never raises."""
+        """Purge the room everywhere; posted chunks drain (its pages are free once
+        ``kv_mgr.draining(handle) == 0``). Idempotent; any thread; never raises."""
         self.kv_mgr.purge_room(self._handle)
 
     def abort(self) -> None:
-        """The caller gives the request up: the room becomes ``Failed`` (no further chunk is
-        posted; posted ones drain after ``clear``/``failure_exception``). Scheduler thread.
+        """Give the request up: the room becomes ``Failed``. Scheduler thread.
 
-        Raises: nothing. In debug mode, an ``abort`` that finds another thread inside a
-        scheduler-thread method fails the room with a
-        :class:`~sender.errors.ConcurrentSenderUseError` (which ``failure_exception`` then
-        raises) instead of the usual "aborted by the caller" error, and leaves this sender's
-        own attributes to the thread inside.
+        Raises: nothing. In debug mode an overlap fails the room with a
+        :class:`~sender.errors.ConcurrentSenderUseError` instead.
         """
         check = self._one_thread
         if check is not None:

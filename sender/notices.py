@@ -1,21 +1,11 @@
-"""Room notices: how a prefill sender tells a decode session that one of its rooms will not
-complete (wire format version 1; documented in docs/PROTOCOL.md).
-
-A notice is one NIXL notification (``send_notif``), not bound to any transfer, sent by the
-prefill side to every decode session of a room that failed or was cleared before
-``Success``, *after* every posted chunk of that opening has ended (NIXL cannot cancel a
-write: once the notice is sent, no byte of the room will land any more, so the decode side
-may reuse the room's pages at once). Format::
+"""Room notices: the NIXL notification telling a decode session that one opening of a room
+will not complete (failed or cleared before ``Success``), sent once nothing of it can land.
+Wire format version 1 (docs/PROTOCOL.md, section 3)::
 
     b"NXSTG-ROOM/1 " + UTF-8 JSON {"room": int, "gen": int, "outcome": str, "code": str}
 
-``outcome`` is ``"failed"`` (the room failed on the prefill side) or ``"cleared"`` (cleared
-before it concluded, e.g. the request was cancelled). ``code`` is one of :data:`CODES`.
-``gen`` is the generation of the room's opening on the prefill side: a notice names one
-opening, never a room id in general. Per-transfer notifications carry bytes-landed facts
-only; a room notice is the room-level outcome and wins over them.
-
-Pure functions; thread-safe.
+``outcome`` is one of :data:`OUTCOMES`, ``code`` one of :data:`CODES`; ``gen`` names the
+opening. Pure functions; thread-safe.
 """
 
 from __future__ import annotations

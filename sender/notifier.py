@@ -1,19 +1,12 @@
-"""Room notices to the decode side: held until an opening has drained, then sent by one
+"""Room notices to the decode side: held until their opening drained, then sent by one
 thread, best effort.
 
-When an opening is purged before ``Success`` the room table builds its
-:class:`~sender.notices.RoomNotice` (wire format: :mod:`sender.notices`, docs/PROTOCOL.md).
-If nothing of the opening is in flight the notice is queued at once; otherwise it is *held*
-here until the opening's last posted chunk ends (:meth:`Notifier.drained`), so that when the
-decode side learns it, no byte of the room can land any more. ``close()`` *withholds* the
-notices of openings whose writes it abandoned (their bytes may still land).
-
-One notifier thread per manager sends each queued notice to every session of its room
-(``transport.send_notif``). Never on a caller's thread, never under a lock of the model.
-Sends fail quietly: counted, never raised, never retried. A session whose transport peer has
-already reported a disconnect (``transport.peer_disconnected(session)``, when the transport
-has it) is not sent to at all: the send would fail the same way, only with an error line in
-NIXL's log; those are counted in ``skipped_dead``.
+A notice (:mod:`sender.notices`) of an opening with chunks in flight is *held* until its last
+posted chunk ends (:meth:`Notifier.drained`), so no byte of the room lands after it;
+``close()`` *withholds* those of abandoned writes. The notifier thread sends each queued
+notice to every session of its room, never under a lock of the model; failures are counted,
+never raised or retried; sessions whose peer reported a disconnect are skipped (counted).
+See docs/THREADING.md, "Room notices to the decode side".
 """
 
 from __future__ import annotations
@@ -38,14 +31,9 @@ _Item = tuple[RoomNotice, tuple[str, ...]]
 
 @dataclass(frozen=True, slots=True)
 class NoticeCounts:
-    """Counters of one notifier (a consistent snapshot).
-
-    ``queued``: session messages queued (one per session of each queued notice); each ends as
-    ``sent``, ``failed`` or ``skipped_dead``, so ``pending = queued - sent - failed -
-    skipped_dead`` is what the notifier thread still has to do. ``withheld``: notices of
-    rooms whose writes ``close()`` abandoned (never queued). ``held``: notices waiting for
-    their opening to drain.
-    """
+    """Counters of one notifier (a consistent snapshot). ``queued`` counts session messages,
+    each ending as ``sent``, ``failed`` or ``skipped_dead``; ``withheld``: never queued
+    (abandoned at ``close()``); ``held``: waiting for their opening to drain."""
 
     queued: int
     sent: int
@@ -68,10 +56,9 @@ class Notifier:
             queued or sent, and no thread is started).
         peer_disconnected: ``transport.peer_disconnected`` or ``None``.
 
-    Thread-safety: every method may be called from any thread, also while holding a lock of
-    the model (the room table holds its lock when it holds, queues or withholds a notice):
-    ``_lock`` is a plain lock outside the model, innermost, held only for dict and counter
-    updates, never while sending or waiting.
+    Thread-safety: every method is safe from any thread, also under a lock of the model:
+    ``_lock`` (outside the model, innermost) guards the held notices and counters, and is
+    never held while sending or waiting.
     """
 
     def __init__(
@@ -82,8 +69,7 @@ class Notifier:
         self._send = send_notif
         self._dead = peer_disconnected
         self._lock = threading.Lock()
-        # --- Guarded by _lock. ---
-        # _held: notices of purged openings whose posted chunks are still draining.
+        # Guarded by _lock (down to _stopped). _held: notices of openings still draining.
         # mutant-site: init
         self._held: dict[RoomHandle, _Item] = {}
         self._queued = 0
@@ -91,11 +77,8 @@ class Notifier:
         self._failed = 0
         self._skipped_dead = 0
         self._withheld = 0
-        # The openings whose notices were withheld (abandoned writes at close(): only ever a
-        # close's draining rooms, so small), for checks that judge who was told.
         self._withheld_handles: set[RoomHandle] = set()
         self._stopped = False
-        # --- The queue to the notifier thread (SimpleQueue.put never blocks). ---
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         if send_notif is not None:
@@ -175,10 +158,9 @@ class Notifier:
     # ------------------------------------------------------------------ the thread
 
     def stop(self, timeout_s: float) -> bool:
-        """Tell the thread to stop once it sent what is queued, and wait up to ``timeout_s``
-        for it. Later :meth:`enqueue` calls are counted as withheld. ``True`` if the thread
-        ended (or there is none). A thread blocked in NIXL on an unreachable peer is left
-        behind (a daemon). Idempotent."""
+        """Stop the thread once it sent what is queued; wait up to ``timeout_s``. ``True`` if
+        it ended (or there is none). Later :meth:`enqueue` calls count as withheld.
+        Idempotent."""
         with self._lock:
             first = not self._stopped
             self._stopped = True

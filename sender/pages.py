@@ -1,18 +1,10 @@
 """Page indices: validated per write (:func:`as_pages`), or once (:class:`CheckedPages`).
 
-A write names its pages by index. :meth:`sender.transport.NixlTransport.write_pages` checks
-every index list it gets (ints, in range, destination pages distinct) before NIXL sees it,
-because NIXL 1.5.1 does not: it converts indices to 32-bit ints without an overflow check
-(an int64 index ``2**32 + 1`` silently becomes page 1). On these VMs each numpy call of that
-check costs 1-4 µs, about 9 µs for a 1 MiB write of 64 pages -- a tenth of the write.
-
-A :class:`CheckedPages` is checked once when built: its indices are non-negative ints that
-fit NIXL's 32-bit indices, distinct if asked, copied into a read-only int32 array, and their
-largest value is kept. A write given two of them only compares that largest value with the
-region's size (O(1)) and hands the array to NIXL as is -- what a caller of raw NIXL does with
-its own pre-built index arrays. Slices of one stay checked (a slice of distinct indices is
-distinct, and the parent's largest index bounds the slice's). This is the "validate once
-per room, not per chunk" path: a room's destination pages do not change between chunks.
+NIXL 1.5.1 casts page indices to 32-bit ints unchecked (``2**32 + 1`` becomes page 1), so
+``NixlTransport.write_pages`` checks every index list first. A :class:`CheckedPages` is
+checked once when built (ints in ``[0, 2**31)``, distinct if asked, a read-only int32 copy,
+its largest value kept): a write given two of them only compares that bound with the
+regions. Slices stay checked. Immutable: safe to share between threads.
 """
 
 from __future__ import annotations
@@ -35,10 +27,8 @@ _SMALL = 32
 
 
 def as_pages(pages: Any, what: str) -> npt.NDArray[np.int64]:
-    """Validate page indices and return them as a 1-D int64 array (no NIXL involved).
-
-    Accepts a 1-D integer numpy array, a sequence of ints (``bool`` refused), or a
-    :class:`CheckedPages`. Does not check ranges or duplicates (the caller knows the region).
+    """Page indices (1-D int array, sequence of ints, or :class:`CheckedPages`) as a 1-D
+    int64 array. Ranges and duplicates are not checked.
 
     Raises:
         TransportParamError: Not 1-D, not integers, a bool, or a value beyond int64.
@@ -58,7 +48,7 @@ def as_pages(pages: Any, what: str) -> npt.NDArray[np.int64]:
     if isinstance(pages, str | bytes | bytearray) or not isinstance(pages, Sequence):
         raise TransportParamError(f"{what} must be a sequence of ints or an integer array")
     for p in pages:
-        # bool is an int subclass and np.bool_ converts silently: reject both explicitly.
+        # bool is an int and np.bool_ converts silently: refuse both.
         if isinstance(p, bool | np.bool_) or not isinstance(p, int | np.integer):
             raise TransportParamError(f"{what} must contain ints only, got {p!r}")
     try:
@@ -68,24 +58,18 @@ def as_pages(pages: Any, what: str) -> npt.NDArray[np.int64]:
 
 
 def scan_pages(pages: npt.NDArray[np.int64], *, unique: bool) -> tuple[int, int, bool]:
-    """``(lo, hi, repeats)`` of non-empty 1-D int64 ``pages``, in few numpy calls (a
-    reduction costs 3-4 us on these VMs, more than the Python around it).
+    """``(lo, hi, repeats)`` of non-empty 1-D int64 ``pages``, in few numpy calls.
 
-    ``hi`` is the largest page. ``lo`` is the smallest page when one is negative, else a
-    lower bound >= 0 (up to 32 pages: the smallest page). ``repeats`` (only looked for with
-    ``unique``; else ``False``): a page occurs twice. Up to 32 pages the list is scanned in
-    Python. Otherwise, strictly increasing pages (the common case) need one comparison and one
-    count: they are distinct and their ends bound them. Otherwise one reduction of an
-    unsigned view finds the largest (a negative page becomes a huge one), and ``unique``
-    sorts; the exact smallest and largest are computed only when a page is negative.
+    ``hi`` is the largest page; ``lo`` the smallest when one is negative, else a lower
+    bound >= 0; ``repeats`` (looked for only with ``unique``): a page occurs twice.
     """
     n = pages.shape[0]
     if n <= _SMALL:
-        # A few pages: Python on the list beats numpy's per-call cost (each numpy call is
-        # 1-4 us here; tolist + min + max + a set of 16 ints is ~1 us).
+        # Python on a short list beats numpy's per-call cost.
         values: list[int] = pages.tolist()
         # mutant-site: scan-pages-return
         return min(values), max(values), unique and len(set(values)) != n
+    # Strictly increasing (the common case): distinct, bounded by its ends.
     # mutant-site: scan-pages-if
     if np.count_nonzero(pages[1:] > pages[:-1]) == n - 1:
         return pages.item(0), pages.item(-1), False
@@ -93,7 +77,7 @@ def scan_pages(pages: npt.NDArray[np.int64], *, unique: bool) -> tuple[int, int,
     if unique:
         ordered = np.sort(pages)
         repeats = bool(np.count_nonzero(ordered[1:] == ordered[:-1]))
-    hi = int(pages.view(np.uint64).max())
+    hi = int(pages.view(np.uint64).max())  # a negative page becomes a huge one
     if hi > np.iinfo(np.int64).max:  # a negative page
         return int(pages.min()), int(pages.max()), repeats
     return 0, hi, repeats
@@ -101,16 +85,11 @@ def scan_pages(pages: npt.NDArray[np.int64], *, unique: bool) -> tuple[int, int,
 
 class CheckedPages:
     """Page indices checked once: non-empty, ``0 <= index < 2**31``, distinct if
-    ``unique``; held as a read-only int32 array (a private copy: later changes to the input
-    cannot reach it).
+    ``unique``; a private read-only int32 copy. Immutable: safe to share between threads.
 
-    Pass two of them (source and destination) to ``write_pages`` to skip its per-write
-    index checks: it then only compares :attr:`max_page` with each region's size, and needs
-    ``unique`` on the destination (otherwise it checks per write as usual). Slicing
-    (``pages[a:b]``) gives a checked view without copying or re-checking.
-
-    Array-like (``len``, iteration, ``np.asarray``, ``tolist``), so code written for index
-    arrays takes one too. Immutable, hence safe to share between threads.
+    Given as both ``write_pages`` lists (the destination ``unique``), the write only
+    compares :attr:`max_page` with each region's size. Slices stay checked, uncopied.
+    Array-like (``len``, iteration, ``np.asarray``, ``tolist``).
 
     Raises (constructor):
         TransportParamError: Malformed indices (see :func:`as_pages`), an empty list, a
@@ -138,7 +117,7 @@ class CheckedPages:
 
     @classmethod
     def span(cls, first: int, count: int) -> CheckedPages:
-        """Pages ``first, first + 1, ..., first + count - 1`` (distinct by construction).
+        """Pages ``first .. first + count - 1``.
 
         Raises:
             TransportParamError: ``count < 1``, ``first < 0``, or past ``2**31``.

@@ -1,27 +1,14 @@
-"""The chunk pipeline: what moves a room's chunks -- staging, the post under the room's post
-gate, polling, hung-chunk sweeps, ending each chunk exactly once -- and the transfer workers.
+"""The chunk pipeline: staging, the post under the room's post gate, polling, hung-chunk
+sweeps, ending each chunk exactly once, and the transfer workers.
 
-Every state change goes through the room table (:mod:`sender.rooms`); this module holds no
-lock of the model of its own. It takes a room's post gate (ROOM_GATE) around the
-check-and-register and the posts of a send, the staging pool's lock (inside the pool's
-methods) and the transport's locks (inside the transport).
-
-A ``send`` becomes one chunk per decode session. Without a staging pool the chunks of one
-send are one *unit*: one gate section registers all of them (one room-lock section) and
-posts one NIXL write per session, and the writes that completed inside their post are ended
-together in one room-lock section. With a staging pool each session's chunk is its own unit
-(each needs a slot of its own; waiting for a second slot while holding the first could wait
-for itself). In worker mode (``num_workers > 0``) units are queued; a worker runs each and
-hands its posted chunks to one shared list that the workers pass over, one at a time, one
-status check per chunk (:meth:`ChunkPipeline._poll_pass`): no thread waits on one chunk, so
-a hung peer never holds up another peer's rooms. With a pool a worker leases each chunk's
-slot under its session's cap (``session_slots``) without waiting, and parks the chunk when
-none is free for it (:meth:`ChunkPipeline._run_pool_unit`). Inline (``num_workers=0``) the
-caller of ``send`` runs the unit (waiting there for a slot) and ``progress()`` polls.
-
-Hung chunks (past their deadline while NIXL still has them in progress) are *swept* every
-:data:`HUNG_SWEEP_S` wherever the manager runs: every worker loop iteration, busy or idle,
-inline while a send waits for a staging slot, in ``progress()`` and ``wait_drained()``.
+State changes go through the room table (:mod:`sender.rooms`); no lock of the model of its
+own. It takes a room's post gate (ROOM_GATE) around a send's check-and-register and posts;
+``_tracked_lock`` is a leaf lock outside the model. A send's chunks are one *unit* without a
+staging pool, one unit per chunk with one (docs/THREADING.md, 'The batched send'). Workers
+(``num_workers > 0``) run queued units and share one poll pass over posted chunks; pool units
+with no slot under their session's cap are parked. Inline, ``send`` runs the unit and
+``progress()`` polls. Hung chunks are swept every :data:`HUNG_SWEEP_S` wherever the manager
+runs (docs/THREADING.md, 'Hung chunks').
 """
 
 from __future__ import annotations
@@ -77,8 +64,7 @@ __all__ = [
 
 logger = logging.getLogger("sender.manager")
 
-# Errors that mean the whole decode peer is gone or hung, not just one transfer: every room
-# with a transfer to that session fails at once (``fail_session``).
+# Errors meaning the decode peer is gone or hung: all its rooms fail (``fail_session``).
 SESSION_FATAL_ERRORS: tuple[type[BaseException], ...] = (
     TransferTimeoutError,
     *(
@@ -93,31 +79,25 @@ FAILED_BY_US: tuple[type[BaseException], ...] = (
     PeerNotFoundError,
     RegionRetiredError,
 )
-"""Transfer errors that are our doing, not NIXL's (a deadline; a write kept by
-``remove_peer`` or ``deregister_region``): NIXL may still move the write's bytes, so its chunk
-ends only once ``settled()`` says so."""
+"""Transfer errors of our doing (a deadline, ``remove_peer``, ``deregister_region``): NIXL
+may still move the bytes, so the chunk ends only once ``settled()``."""
 
 WORKER_SPIN_S = 200e-6
-"""A chunk is polled at every pass for its first ``WORKER_SPIN_S`` (a pass then only yields
-the CPU before the next), less than ``Transfer.wait`` spins: several workers run at once,
-and on a small machine their spinning would take the CPU from NIXL's progress thread and the
-peer."""
+"""A chunk is polled at every pass for its first ``WORKER_SPIN_S`` (short: spinning workers
+would take the CPU from NIXL's progress thread)."""
 
 HUNG_SWEEP_S = 0.05
 """Hung chunks are re-checked this often (:meth:`ChunkPipeline.maybe_sweep`), busy or idle."""
 
 INLINE_SLOT_POLL_S = 0.001
-"""Inline mode (``num_workers=0``): a send waiting for a staging slot polls the in-flight
-chunks that hold slots this often (:meth:`ChunkPipeline._end_slot_holders`). Nobody else
-would end them: their writes may have completed long ago, but only a ``poll()`` on this very
-thread would see it, and this thread is the one waiting."""
+"""Inline mode: how often a send waiting for a slot polls the chunks holding slots (nobody
+else would end them)."""
 
 PARKED_RETRY_S = 0.001
 """Workers retry parked chunks (no slot for their session yet) at least this often."""
 
 _Tracked = tuple[float, int, float, Chunk]
-"""A chunk the workers poll: ``(due, seq, posted_at, chunk)`` (monotonic seconds; ``seq``
-breaks ties, so chunks are never compared)."""
+"""``(due, seq, posted_at, chunk)``: a polled chunk (``seq`` breaks ties)."""
 
 
 class _Idle:
@@ -129,22 +109,13 @@ _IDLE = _Idle()
 _debug_enabled = functools.partial(logger.isEnabledFor, logging.DEBUG)
 
 _End = tuple[Chunk, BaseException | None, bool, bool]
-"""``(chunk, exc, abandoned, already_failed)``: one chunk to end (see ``_end_many``)."""
+"""``(chunk, exc, abandoned, already_failed)``: one chunk to end."""
 
 
 class SlotsHeldByHungError(PoolExhaustedError):
-    """A chunk gave up waiting for a staging slot at once: every slot is leased to a hung
-    chunk (a transfer past its deadline that NIXL still has in progress).
-
-    Such a slot comes back only when NIXL settles its transfer (the peer answers again) or
-    the peer is removed (``remove_peer``); waiting ``slot_timeout_s`` for it, chunk after
-    chunk on each worker, made rooms opened during a hung peer or a partition fail only
-    after whole multiples of ``slot_timeout_s``. A :class:`PoolExhaustedError`, so code
-    that handles exhaustion handles this too.
-
-    Also raised when the chunk's session holds its whole cap of slots
-    (``KVManager(session_slots=...)``) and each of them is leased to a hung chunk: the other
-    sessions keep the rest of the pool.
+    """A chunk gave up waiting for a staging slot at once: every slot of the pool, or of its
+    session's cap (``session_slots``), is leased to a hung chunk, which returns it only once
+    NIXL settles its transfer. A :class:`PoolExhaustedError`.
 
     Attributes:
         num_slots: The pool's slots.
@@ -187,8 +158,7 @@ class TransportLike(Protocol):
 
 
 def _out_of_range(kv_indices: Any, num_pages: int) -> str:
-    """The message for a chunk with a page outside ``[0, num_pages)``: the first such value
-    and its position (only on the error path: one more pass over the chunk)."""
+    """The message for a chunk with a page outside ``[0, num_pages)``."""
     values = np.asarray(kv_indices).reshape(-1)
     bad = np.flatnonzero((values < 0) | (values >= num_pages))
     if not bad.size:  # e.g. a page past the transport's int32 limit, caught by CheckedPages
@@ -204,8 +174,8 @@ def _out_of_range(kv_indices: Any, num_pages: int) -> str:
 class ChunkPipeline:
     """Stages, posts, polls and ends the chunks of one manager; owns its transfer workers.
 
-    Thread-safety: every public method may be called from any thread. Holds no lock of the
-    model of its own; ``_sweep_claim`` (below) is a plain test-and-set outside the model.
+    Thread-safety: every public method may be called from any thread; no lock of the model
+    of its own.
     """
 
     def __init__(
@@ -238,24 +208,20 @@ class ChunkPipeline:
         self._num_pages = int(kv_pool.shape[0])
         self._page_bytes = int(kv_pool.shape[1])
         rooms.nbytes = self._nbytes  # the payload of a chunk that ends before its post
-        # _sweep_claim: one thread at a time sweeps hung chunks (a non-blocking acquire, so
-        # nobody waits for it); _sweep_due (monotonic s) is written only by its holder and
-        # read without it (a float read is atomic; a stale read delays a sweep by one call).
+        # One sweeper at a time (non-blocking claim); _sweep_due is written only by it and
+        # read without it (a stale read delays a sweep by one call).
         self._sweep_claim = threading.Lock()
         self._sweep_due = 0.0
-        # The worker queue: units of chunks (SimpleQueue.put never blocks); None = stop.
+        # The worker queue: units of chunks; None = stop.
         self._queue: queue.SimpleQueue[list[Chunk] | None] = queue.SimpleQueue()
         self._stopped = False
-        # _tracked: the posted chunks the workers poll (:meth:`_poll_pass`), a heap by when
-        # each is due. Guarded by _tracked_lock (a leaf lock outside the model: held only to
-        # push and pop). _pass_claim: one worker at a time passes over them (a
-        # non-blocking acquire, so nobody waits for it).
+        # _tracked: heap of posted chunks by due time; guarded by _tracked_lock (a leaf lock
+        # outside the model). _pass_claim: one worker at a time polls them.
         self._tracked_lock = threading.Lock()
         self._tracked: list[_Tracked] = []
         self._tracked_seq = itertools.count()
-        # _parked: session -> its pool units (one chunk each) that found no slot under the
-        # session's cap, oldest first, each with when it was first parked; retried by the
-        # workers (:meth:`_retry_parked`). Guarded by _tracked_lock.
+        # _parked: session -> its units with no slot yet, oldest first, with when first
+        # parked. Guarded by _tracked_lock.
         self._parked: dict[str, collections.deque[tuple[list[Chunk], float]]] = {}
         self._park_claim = threading.Lock()  # one worker at a time retries them
         self._pass_claim = threading.Lock()
@@ -299,8 +265,7 @@ class ChunkPipeline:
             for chunk in chunks:
                 self._run_unit([chunk])
             return len(chunks)
-        # Inline, direct: one gate section checks, makes and registers every session's chunk
-        # and posts them; the writes done inside their post end together right after.
+        # Inline, no pool: one gate section checks, makes, registers and posts every chunk.
         entry = rooms.peek(handle)
         if entry is None:
             return 0
@@ -316,7 +281,7 @@ class ChunkPipeline:
             return 0
         self._log_posts(chunks)
         if ends:
-            self._end_many_safely(ends)
+            self.end_many(ends)
         return len(chunks)
 
     def _enqueue_each(self, chunks: list[Chunk]) -> None:
@@ -324,9 +289,8 @@ class ChunkPipeline:
             self._queue.put([chunk])
 
     def _run_unit(self, unit: list[Chunk]) -> list[Chunk]:
-        """Stage (with a pool), check-and-post under the gate, end the writes done at their
-        post. Returns the posted chunks still to poll. Never raises: an unexpected error
-        fails the room (the chunks that were not registered end with it)."""
+        """Stage, check-and-post under the gate; the posted chunks still to poll. Never raises:
+        an unexpected error fails the room."""
         try:
             return self._start(unit)
         except BaseException as exc:  # before the chunks were registered: they end here
@@ -339,9 +303,7 @@ class ChunkPipeline:
     def _start(self, unit: list[Chunk]) -> list[Chunk]:
         handle = unit[0].handle
         rooms = self.rooms
-        # Lock-free early look: only to skip a unit of a purged or failed room cheaply and
-        # to find the room's gate. The decision that counts is taken again under the gate
-        # and the write lock, right before the post.
+        # An early look; rooms.register decides under the gate.
         entry = rooms.peek(handle)
         if entry is None or rooms.request_status.get(handle.room) is KVPoll.Failed:
             self._return_slots(unit)
@@ -361,15 +323,12 @@ class ChunkPipeline:
             return []
         self._log_posts(unit)
         if ends:
-            # Never raises: a release error fails the room, and the chunks of the unit still
-            # in flight are returned to be polled all the same (a worker polls only what
-            # this returns).
-            self._end_many_safely(ends)
+            self.end_many(ends)
         return [c for c in unit if not c.ended]
 
     def _stage(self, entry: RoomEntry, unit: list[Chunk]) -> list[Chunk]:
-        """Record the prefetch keys, lease a slot per chunk and gather into it. Returns the
-        chunks ready to post; the others ended here (skipped or failed)."""
+        """Lease a slot per chunk and gather into it; the chunks ready to post (the others
+        ended here)."""
         pool = self.pool
         assert pool is not None
         rooms = self.rooms
@@ -382,12 +341,7 @@ class ChunkPipeline:
         for chunk in prefetched:
             try:
                 try:
-                    # A worker leased the slot before it ran the unit (_lease_or_park).
-                    # Inline, the caller waits for one, and meanwhile ends the completed
-                    # chunks that hold slots: they are its own (or another caller's of
-                    # send/progress), and no worker would ever end them. The wait ends at
-                    # once when the slots it waits for are held by hung chunks
-                    # (_give_up_if_slots_all_hung): none comes back before NIXL settles it.
+                    # A worker leased it already (_lease_or_park); inline, wait here.
                     if chunk.slot is None:
                         chunk.slot = self._wait_for_slot(chunk)
                 except (PoolExhaustedError, PoolClosedError) as exc:
@@ -406,7 +360,7 @@ class ChunkPipeline:
 
     def _wait_for_slot(self, chunk: Chunk) -> StagingSlot:
         """Inline mode: lease ``chunk`` a slot under its session's cap, waiting up to
-        ``slot_timeout_s``; polls the slot holders and sweeps while it waits.
+        ``slot_timeout_s`` while ending slot holders.
 
         Raises:
             PoolExhaustedError: none in time, or (:class:`SlotsHeldByHungError`) at once
@@ -433,14 +387,12 @@ class ChunkPipeline:
         )
 
     def _give_up_if_slots_all_hung(self, session: str) -> None:
-        """A slot wait's check (holding no lock): raise :class:`SlotsHeldByHungError` when
-        the slots a chunk to ``session`` waits for are all held by hung chunks -- every slot
-        of the pool, or the session's whole cap. The counts are read apart, so a slot freed
-        in between (a hung chunk ending: its slot is returned before it leaves
-        ``rooms.hung``) shows as a free slot and the wait goes on to take it."""
+        """Raise :class:`SlotsHeldByHungError` when the pool's slots, or ``session``'s cap,
+        are all held by hung chunks. (A hung chunk returns its slot before leaving
+        ``rooms.hung``, so a racing end shows as a free slot.)"""
         pool = self.pool
         assert pool is not None
-        if not self.rooms.hung:  # a single atomic read: nothing hung, the usual case
+        if not self.rooms.hung:
             return
         hung_slots = [c.session_id for c in self.rooms.hung_chunks() if c.slot is not None]
         num_slots = pool.num_slots
@@ -451,10 +403,8 @@ class ChunkPipeline:
             raise SlotsHeldByHungError(num_slots, hung_slots.count(session), session, cap)
 
     def _lease_or_park(self, unit: list[Chunk]) -> bool:
-        """A worker, before it runs a pool unit (one chunk): lease its slot under its
-        session's cap without waiting. ``False`` when none is free for it now: the unit is
-        parked (:meth:`_retry_parked`) and the worker goes on with other work, so a chunk
-        waiting for a slot never holds a worker. Raises what ``try_acquire`` raises."""
+        """Lease the unit's slot under its session's cap without waiting; ``False``: none
+        free (the caller parks it)."""
         chunk = unit[0]
         if chunk.slot is not None or not chunk.num_pages:
             return True
@@ -467,15 +417,12 @@ class ChunkPipeline:
         return chunk.slot is not None
 
     def _run_pool_unit(self, unit: list[Chunk], parked_at: float | None) -> list[Chunk] | None:
-        """A worker runs ``unit`` (one chunk) once its slot is leased; ``None`` when it must
-        stay parked (first parked at ``parked_at``; ``None``: its first try). A parked chunk
-        of a purged or failed room is skipped; one that waited ``slot_timeout_s``, or whose
-        slots are all held by hung chunks, fails its room."""
+        """Run ``unit`` once its slot is leased; ``None``: it stays parked. Past
+        ``slot_timeout_s`` since ``parked_at``, or with only hung holders, it fails its room."""
         chunk = unit[0]
         rooms = self.rooms
         try:
-            # Skip a purged or failed room's unit before leasing anything for it: a lease for
-            # a purged opening would make its draining() count rise again after the purge.
+            # Skip before leasing: a purged opening's lease would raise its draining() again.
             entry = rooms.peek(chunk.handle)
             if entry is None or rooms.request_status.get(chunk.handle.room) is KVPoll.Failed:
                 return self._run_unit(unit)  # skipped there
@@ -496,9 +443,8 @@ class ChunkPipeline:
         return None
 
     def _admit_pool_unit(self, unit: list[Chunk]) -> list[Chunk]:
-        """A worker's new pool unit: behind its session's parked units if it has any (first
-        in, first out per session), else tried at once and parked if no slot is free for
-        it. Returns the chunks to poll."""
+        """A new pool unit: queued behind its session's parked units (FIFO per session),
+        else tried at once. Returns the chunks to poll."""
         session = unit[0].session_id
         now = time.monotonic()
         with self._tracked_lock:
@@ -514,10 +460,8 @@ class ChunkPipeline:
         return pending
 
     def _retry_parked(self) -> None:
-        """Retry the parked units, one worker at a time (a non-blocking claim), each
-        session's oldest first: a session's queue stops at its first unit that must stay
-        parked (its cap is full), so a long backlog of a hung peer costs one lease attempt
-        per retry, not one per parked chunk."""
+        """Retry parked units (one worker at a time), each session's oldest first, stopping
+        at a session's first unit that must stay parked."""
         if not self._park_claim.acquire(False):
             return
         try:
@@ -544,8 +488,7 @@ class ChunkPipeline:
             self._park_claim.release()
 
     def _drop_parked(self) -> None:
-        """A stopping worker: the parked units of its manager's close end (their rooms were
-        purged: skipped)."""
+        """A stopping worker ends the parked units (their rooms were purged: skipped)."""
         with self._tracked_lock:
             parked, self._parked = self._parked, {}
         for waiting in parked.values():
@@ -553,10 +496,8 @@ class ChunkPipeline:
                 self._run_unit(unit)
 
     def _end_slot_holders(self) -> None:
-        """Inline mode, while a send waits for a staging slot: poll once every posted chunk
-        that holds a slot (of any room, draining ones included) and end those that ended,
-        then sweep hung chunks if due. Never raises (a release error ends the chunk all the
-        same and is counted in ``worker_errors``, as in :meth:`wait_drained`)."""
+        """Inline slot wait: poll every posted chunk holding a slot once, then sweep if due.
+        Never raises."""
         try:
             self.poll_all(self.rooms.slot_holders())
         except BaseException:  # a release error: the chunk ended; the wait goes on
@@ -572,12 +513,11 @@ class ChunkPipeline:
                 chunk.slot = None
 
     def _post_all(self, chunks: Sequence[Chunk]) -> list[_End]:
-        """Post every registered chunk (caller holds the room's gate). Returns the chunks
-        that ended at once: nothing to send, the post failed, or the write completed inside
-        its post."""
+        """Post every registered chunk (gate held); the ends known at once (nothing to send,
+        a failed post, a write done inside its post)."""
         ends: list[_End] = []
         for chunk in chunks:
-            if not chunk.num_pages:  # every page is in the decode prefix: nothing to send
+            if not chunk.num_pages:  # all in the decode prefix
                 ends.append((chunk, None, False, False))
                 continue
             try:
@@ -586,9 +526,7 @@ class ChunkPipeline:
                 ends.append((chunk, exc, False, False))
                 continue
             chunk.transfer = transfer
-            # A transfer type that declares it (ours) says whether the write completed inside
-            # its post; a wrapper (a fault injector) is asked by a poll as usual: the marker
-            # is looked up on the type, never forwarded by an instance's __getattr__.
+            # The marker is looked up on the type: a wrapper's __getattr__ must not forward it.
             if getattr(type(transfer), "REPORTS_DONE_AT_POST", False) and getattr(
                 transfer, "done", False
             ):
@@ -597,8 +535,7 @@ class ChunkPipeline:
 
     @staticmethod
     def _log_posts(chunks: Sequence[Chunk]) -> None:
-        """DEBUG lines for the posts of a unit (after its gate is released: never under a
-        lock)."""
+        """DEBUG lines for a unit's posts (after its gate is released)."""
         if _debug_enabled():
             for chunk in chunks:
                 if chunk.transfer is not None:
@@ -631,17 +568,15 @@ class ChunkPipeline:
     # ------------------------------------------------------------------ polling, ending
 
     def poll_once(self, chunk: Chunk) -> tuple[bool, _End | None]:
-        """Poll ``chunk`` once. Returns ``(done_for_caller, end)``: ``done_for_caller`` once
-        it ended (here or elsewhere) or is hung (its room failed; it ends once it settles,
-        see :meth:`maybe_sweep`); ``end`` is what to pass to :meth:`end_many` when this poll
-        saw its end. Never raises: a transfer error is the chunk's outcome."""
+        """Poll ``chunk`` once: ``(done_for_caller, end)``, done once it ended or is hung;
+        ``end`` for :meth:`end_many` when this poll saw its end. Never raises."""
         if chunk.ended:
             return True, None
         transfer = chunk.transfer
-        if transfer is None:  # registered, still being posted
+        if transfer is None:  # still being posted
             # mutant-site: poll-once-return
             return False, None
-        if chunk.hung is not None:  # its room already failed; ends once it settles
+        if chunk.hung is not None:  # ends once it settles
             settled = getattr(transfer, "settled", None)
             # mutant-site: poll-once-if-1
             if settled is None or settled():
@@ -651,14 +586,12 @@ class ChunkPipeline:
         try:
             state = transfer.poll()
         except BaseException as exc:
-            # Failed by us (its deadline; remove_peer or deregister_region kept it): it is
-            # over only once NIXL says so; releasing it would not stop its bytes. A failure
-            # NIXL reported is settled at once.
+            # Failed by us: over only once NIXL settles it. A failure NIXL reported is.
             # mutant-site: poll-once-if-2
             if isinstance(exc, FAILED_BY_US):
                 settled = getattr(transfer, "settled", None)
                 if settled is not None and not settled():
-                    self._hang(chunk, exc)  # NIXL still has it: it may yet write
+                    self._hang(chunk, exc)
                     self._retire_if_peer_removed(chunk)
                     return True, None
             return True, (chunk, exc, False, False)
@@ -667,8 +600,7 @@ class ChunkPipeline:
         return True, (chunk, None, False, False)
 
     def poll_all(self, chunks: Sequence[Chunk]) -> list[Chunk]:
-        """Poll each chunk once and end those that ended, together; the chunks still to poll
-        (neither ended nor hung)."""
+        """Poll each chunk once and end those that ended; the chunks still to poll."""
         ends: list[_End] = []
         still: list[Chunk] = []
         for chunk in chunks:
@@ -682,10 +614,8 @@ class ChunkPipeline:
         return still
 
     def _retire_if_peer_removed(self, chunk: Chunk) -> None:
-        """A hung chunk whose peer was removed (``remove_peer`` kept its write): retire its
-        staging slot. The slot is not reused while NIXL may still read it, but it no longer
-        counts against the pool or its session's cap (a spare stands in, if the pool has
-        one), so the removal gives the peer's share of the pool back."""
+        """Retire a hung chunk's slot once its peer was removed: no longer counted against
+        the pool or its session's cap, not reused while NIXL may read it."""
         slot = chunk.slot
         if slot is not None and self.pool is not None and getattr(
             chunk.transfer, "peer_removed", False
@@ -694,11 +624,8 @@ class ChunkPipeline:
             self.pool.retire(slot)
 
     def _hang(self, chunk: Chunk, exc: BaseException) -> None:
-        """The chunk failed by our doing (its deadline passed, or its peer was removed)
-        while NIXL still has it in progress: fail its room now (and, past a deadline, its
-        session), but keep the chunk (transfer and slot) until it settles."""
-        # Past a deadline the peer is hung: its session fails. A removed peer's kept write
-        # fails its own room only (the session id may already name a new peer).
+        """Fail the room of a chunk failed by us that NIXL still has (past a deadline, its
+        session too: a removed peer's id may already name a new peer)."""
         self.rooms.mark_hung(chunk, exc, fail_session=self._fatal(exc))
 
     def _fatal(self, exc: BaseException | None) -> bool:
@@ -709,10 +636,8 @@ class ChunkPipeline:
         return chunk.num_pages * per_page
 
     def _end_many(self, ends: Sequence[_End]) -> int:
-        """End each chunk exactly once: the claim, the transfer's release and the slot's
-        return per chunk, then the accounting of all of them in one room-lock section, then
-        the sessions to fail. Returns how many this call claimed. A release that raised is
-        re-raised after the accounting (the room then fails as an internal error)."""
+        """End each chunk this call claims (release, return its slot), then account all in
+        one room-lock section; how many it claimed. A release error is re-raised after."""
         claimed: list[_End] = []
         error: BaseException | None = None
         for end in ends:
@@ -739,30 +664,25 @@ class ChunkPipeline:
                         chunk.session_id,
                         "abandoned" if abandoned else "done" if outcome is None else repr(outcome),
                     )
-            self.rooms.publish(after)  # the sessions to fail were failed in its section
+            self.rooms.publish(after)
         if error is not None:
             raise error
         return len(claimed)
 
-    def _end_many_safely(self, ends: Sequence[_End]) -> int:
-        """:meth:`_end_many` that never raises (a release error fails the room)."""
+    def end_many(self, ends: Sequence[_End]) -> int:
+        """:meth:`_end_many` that never raises (a release error fails the room); how many
+        it claimed."""
         try:
             return self._end_many(ends)
         except BaseException as exc:
             self.rooms.internal_error(ends[0][0], exc, chunk_ends=False)
             return 0
 
-    def end_many(self, ends: Sequence[_End]) -> int:
-        """Public :meth:`_end_many` that never raises; how many it claimed."""
-        return self._end_many_safely(ends)
-
     # ------------------------------------------------------------------ sweeps, draining
 
     def maybe_sweep(self) -> None:
-        """Sweep hung chunks if any and a sweep is due (every :data:`HUNG_SWEEP_S`), unless
-        another thread is sweeping. Called wherever the manager runs, so a hung chunk whose
-        write has settled ends within about one sweep period of settling, busy or idle, and
-        returns its slot. Never raises; never blocks."""
+        """Sweep hung chunks if a sweep is due and no other thread sweeps. Never raises;
+        never blocks."""
         rooms = self.rooms
         if not rooms.hung or time.monotonic() < self._sweep_due:
             return
@@ -772,7 +692,7 @@ class ChunkPipeline:
         try:
             self._sweep_due = time.monotonic() + HUNG_SWEEP_S
             self.poll_all(rooms.hung_chunks())
-        except BaseException:  # never raises into the caller (a worker, a slot wait)
+        except BaseException:
             rooms.unaccounted_errors += 1
         finally:
             self._sweep_claim.release()
@@ -780,12 +700,11 @@ class ChunkPipeline:
     def progress(self, handle: RoomHandle) -> None:
         """See :meth:`sender.manager.KVManager.progress`."""
         if self.workers:
-            self.maybe_sweep()  # hung chunks are swept wherever the manager runs
+            self.maybe_sweep()
             return
         rooms = self.rooms
         entry = rooms.peek(handle)
-        # A lock-free first look (each a single atomic read): nothing in flight, draining or
-        # hung means nothing to poll; a stale answer only defers a poll to the next call.
+        # A lock-free first look: a stale answer only defers a poll to the next call.
         if (entry is None or not entry.inflight) and not rooms.draining and not rooms.hung:
             return
         pending = rooms.pending_of(handle)
@@ -819,12 +738,9 @@ class ChunkPipeline:
             time.sleep(0.0002)
 
     def abandon_draining(self) -> int:
-        """``close()``, past its wait: poll every draining chunk once, then give up on those
-        still in flight; how many it gave up on. A transfer that can say whether NIXL may
-        still move its bytes (``settled``, as the transport's do) is *not* released: its
-        chunk stays draining until a later :meth:`wait_drained` sees it settled, so that
-        ``draining()`` never says 0 while its bytes may still land. One that cannot say
-        (a wrapper without ``settled``) is released: its bytes may still land."""
+        """``close()`` past its wait: poll the draining chunks once; how many are still in
+        flight. Of those, only transfers without ``settled()`` are released (abandoned);
+        the others stay draining until settled."""
         rooms = self.rooms
         with rooms.lock.read():
             left = list(rooms.draining.values())
@@ -839,7 +755,7 @@ class ChunkPipeline:
         # mutant-site: abandon-draining
         unknowable = [c for c in left if getattr(c.transfer, "settled", None) is None]
         if unknowable:
-            self._end_many_safely([(c, None, True, False) for c in unknowable])
+            self.end_many([(c, None, True, False) for c in unknowable])
         return len(left)
 
     # ------------------------------------------------------------------ workers
@@ -853,11 +769,8 @@ class ChunkPipeline:
             self._queue.put(None)
 
     def join_workers(self, deadline: float) -> list[str]:
-        """Join the workers until ``deadline`` (each at least 0.5 s: a worker polling an
-        abandoned chunk sees it released and exits at once); the names still alive. The
-        calling thread, when it is a worker (``close()`` from a listener callback), is not
-        joined (a thread cannot join itself): it has its stop sentinel queued and exits
-        once the callback returns."""
+        """Join the workers until ``deadline`` (each at least 0.5 s), except the calling
+        thread (``close()`` from a listener); the names still alive."""
         me = threading.current_thread()
         for worker in self.workers:
             # mutant-site: join-workers
@@ -866,18 +779,15 @@ class ChunkPipeline:
         return [w.name for w in self.workers if w is not me and w.is_alive()]
 
     def _track(self, chunks: list[Chunk]) -> None:
-        """Hand posted chunks to the shared poll (:meth:`_poll_pass`), due at once."""
+        """Hand posted chunks to the shared poll, due at once."""
         now = time.monotonic()
         with self._tracked_lock:
             for chunk in chunks:
                 heapq.heappush(self._tracked, (now, next(self._tracked_seq), now, chunk))
 
     def _poll_in(self, age_s: float) -> float:
-        """How long after a poll a chunk posted ``age_s`` ago is polled again: at once for
-        :data:`WORKER_SPIN_S`, then a fixed fraction of its age (a write is seen done at
-        most ~6 % after it completed), at most :data:`HUNG_SWEEP_S`; so a chunk that stays
-        in flight (a hung peer's) costs ever fewer polls, and a fresh one is seen at once.
-        ``poll_interval_s``, when set, is the pause for every chunk."""
+        """When to poll again a chunk posted ``age_s`` ago: at once while young, then a
+        fraction of its age, at most :data:`HUNG_SWEEP_S` (or ``poll_interval_s``)."""
         if self.poll_interval_s is not None:
             return self.poll_interval_s
         if age_s < WORKER_SPIN_S:
@@ -885,11 +795,8 @@ class ChunkPipeline:
         return min(HUNG_SWEEP_S, max(POLL_PAUSE_MIN_S, age_s * POLL_PAUSE_FRACTION))
 
     def _poll_pass(self) -> bool:
-        """One pass over the tracked chunks that are due, by one worker at a time (others
-        skip it: a non-blocking claim): poll each once, end those that ended, schedule the
-        rest (:meth:`_poll_in`). Never blocks on a transfer; a chunk past its deadline leaves
-        the pass as hung (swept from then on). Returns whether any chunk left the pass.
-        Never raises: a release error fails the room of the first chunk ended with it."""
+        """Poll each due tracked chunk once (one worker at a time), end those that ended,
+        reschedule the rest; whether any left the pass. Never raises."""
         if not self._pass_claim.acquire(False):
             return False
         try:
@@ -919,14 +826,13 @@ class ChunkPipeline:
                              posted_at, chunk),
                         )
             if ends:
-                self._end_many_safely(ends)
+                self.end_many(ends)
             return len(still) < len(due)
         finally:
             self._pass_claim.release()
 
     def _idle_wait(self) -> float:
-        """How long a worker may wait for a unit: until the next tracked chunk is due, at
-        most :data:`PARKED_RETRY_S` while chunks are parked, at most :data:`HUNG_SWEEP_S`."""
+        """How long a worker may wait for a unit: until the next poll, parked retry or sweep."""
         with self._tracked_lock:
             next_due = self._tracked[0][0] if self._tracked else None
             parked = bool(self._parked)
@@ -936,8 +842,7 @@ class ChunkPipeline:
         return wait
 
     def _next_unit(self, pause_s: float) -> list[Chunk] | _Idle | None:
-        """The next queued unit, waiting at most ``pause_s`` (a new unit, or ``close()``'s
-        stop, ends the wait at once); ``0`` only checks the queue and yields the CPU."""
+        """The next queued unit, waiting at most ``pause_s`` (``0``: check and yield)."""
         try:
             if pause_s > 0:
                 return self._queue.get(timeout=bounded_wait(pause_s))
@@ -949,10 +854,8 @@ class ChunkPipeline:
         return unit
 
     def _worker_main(self) -> None:
-        """A worker: run queued units (stage, post) and, between them, pass over every
-        chunk in flight (:meth:`_poll_pass`). It never waits on one chunk: a chunk of a
-        hung peer costs each pass one status check, and other peers' units and chunks go
-        on meanwhile."""
+        """A worker: run queued units and, between them, poll the chunks in flight; it never
+        waits on one chunk (docs/THREADING.md, 'Peer isolation')."""
         while True:
             pause = self._idle_wait()
             unit = self._next_unit(pause)
@@ -979,4 +882,4 @@ class ChunkPipeline:
                 else:
                     self.rooms.unaccounted_errors += 1
             # mutant-site: worker-main-call-maybe-sweep
-            self.maybe_sweep()  # every iteration, busy or idle
+            self.maybe_sweep()  # busy or idle

@@ -17,8 +17,7 @@ class KVPoll(IntEnum):
     Transferring = 3
     Success = 4
 
-    # An IntEnum prints as its int (``print(poll())`` said ``4``); it names itself here and
-    # still compares, hashes and all-reduces as the int (``KVPoll.Success == 4``).
+    # Prints its name, still compares, hashes and all-reduces as the int.
     def __str__(self) -> str:
         return f"KVPoll.{self.name}"
 
@@ -28,11 +27,8 @@ class KVPoll(IntEnum):
 
 
 def merge_status(current: KVPoll | None, update: KVPoll) -> KVPoll:
-    """The status after ``update`` is applied to ``current``.
-
-    Progress only moves forward; ``Failed`` wins over anything and is sticky (only purging
-    the room forgets it). ``current=None`` means the room had no status yet.
-    """
+    """The status after ``update`` is applied to ``current`` (``None``: no status yet).
+    Progress only moves forward; ``Failed`` wins and is sticky."""
     if current is None:
         return update
     if current is KVPoll.Failed or update is KVPoll.Failed:

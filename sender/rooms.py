@@ -1,25 +1,14 @@
 """The room table: every per-room table of a prefill sender, and every change to them.
 
-The manager keeps what upstream engines keep as bare dicts on their KV manager, under the
-same names, consistent under threads: ``request_status`` (room -> :class:`KVPoll`),
-``transfer_infos`` (room -> {session: info}), ``req_to_decode_prefix_len``, ``exceptions``
-and, under its own lock, ``failure_records``; plus one :class:`RoomEntry` per open room
-(its handle, sessions, post gate, chunk counts and in-flight chunks) and the chunks still
-*draining* after their room's purge (NIXL cannot cancel a posted write).
+Upstream's per-room dicts under their names (``request_status``, ``transfer_infos``,
+``req_to_decode_prefix_len``, ``exceptions``; ``failure_records`` under ``failure_lock``),
+one :class:`RoomEntry` per open room, and the chunks *draining* after their room's purge.
+Every write names its opening's :class:`RoomHandle`; a write for a purged opening is refused
+and counted. Nothing here calls NIXL or waits; after-lock work is collected in an
+:class:`After` (see docs/THREADING.md, 'The sender').
 
-Rooms follow the staging layer's lifecycle: every write names the :class:`RoomHandle` of the
-opening it belongs to, and a write for a purged (or reopened) room is refused and counted,
-never allowed to re-create the room.
-
-Nothing here calls NIXL, sleeps or waits for a chunk: the chunk pipeline
-(:mod:`sender.pipeline`) stages, posts and polls, and comes here for every state change.
-What a locked section decides to do once its lock is released (events for metrics, log
-lines, sessions to fail) is collected in an :class:`After` and run by the caller after it.
-
-Locks (``staging.locks.LockLevel``), taken in this order only: a room's post gate
-(ROOM_GATE; one per opening, in its entry) -> ``lock`` (ROOM) -> the staging context's lock
-(STAGING) -> the slot pool's lock (POOL) -> ``failure_lock`` (FAILURE). The notifier's
-counter lock is plain, outside the model and innermost.
+Lock order: a room's post gate (ROOM_GATE) -> ``lock`` (ROOM) -> staging (STAGING) -> slot
+pool (POOL) -> ``failure_lock`` (FAILURE); the notifier's counter lock is innermost.
 """
 
 from __future__ import annotations
@@ -69,8 +58,7 @@ COUNTERS = (
 )
 """The room table's counters (``ManagerStats`` fields of the same names)."""
 
-# Module-level aliases of the statuses used on hot paths (an Enum member look-up costs more
-# than a global one).
+# Hot-path aliases (a global look-up is cheaper than an Enum member's).
 _FAILED = KVPoll.Failed
 _SUCCESS = KVPoll.Success
 _TRANSFERRING = KVPoll.Transferring
@@ -80,9 +68,8 @@ MAX_ROOMS_LOGGED = 64
 
 
 class After:
-    """What a locked section decided to do once its lock is released: listener events, log
-    lines and sessions to fail. Made per call by the caller, filled under the lock, run
-    (:meth:`run`) after it. Not thread-safe (one thread's scratch list)."""
+    """What a locked section decided to do after its lock: listener events, log lines,
+    sessions to fail. Filled under the lock, :meth:`run` after it. Not thread-safe."""
 
     __slots__ = ("concluded", "ended", "fatal", "logs")
 
@@ -93,8 +80,7 @@ class After:
         self.fatal: list[tuple[str, BaseException]] = []
 
     def must_seal(self) -> bool:
-        """Whether a reader must see it emitted (:meth:`RoomTable.seal_locked`): listener
-        events, or a log line at ``WARNING`` or above."""
+        """Whether readers must see it emitted: listener events or a ``WARNING``+ line."""
         if self.concluded or self.ended:
             return True
         for rec in self.logs:  # noqa: SIM110 (a plain loop, no generator: cheap under DPOR)
@@ -121,8 +107,7 @@ class After:
 @dataclass(slots=True, eq=False)
 class RoomEntry:
     """Bookkeeping of one open room. Guarded by the room table's ``lock``, except ``gate``
-    (the room's post gate, a lock of level ``ROOM_GATE``), ``handle``, ``sessions`` and
-    ``opened_at``, which never change."""
+    (ROOM_GATE), ``handle``, ``sessions`` and ``opened_at``, which never change."""
 
     handle: RoomHandle
     sessions: tuple[str, ...]
@@ -133,8 +118,8 @@ class RoomEntry:
     jobs_done: int = 0
     last_chunk_seen: bool = False
     prefetch_requests: int = 0
-    concluded: bool = False  # its conclusion (success or failure) was counted and told
-    succeeded: bool = False  # it concluded Success (a later failure changes no counter)
+    concluded: bool = False  # its conclusion was counted and told
+    succeeded: bool = False  # it concluded Success
     failure_code: str | None = None
     chunk_idxs: set[int] = field(default_factory=set)
     inflight: dict[int, Chunk] = field(default_factory=dict)
@@ -146,16 +131,14 @@ class ManagerPurge:
 
     Attributes:
         room: the room id.
-        was_open: ``False`` when there was nothing to purge (already purged, or a stale
-            handle); every other field is then empty.
+        was_open: ``False`` when there was nothing to purge; the other fields are empty.
         status: the room's status at the purge.
         tables: names of the per-room tables that held the room.
         staging: what the staging context removed.
-        exception: the room's stored exception, removed by this purge (this opening's only).
-        failure_record: the room's failure reason, removed by this purge.
-        draining: posted transfers of this opening that were still in flight when the purge
-            returned. Its destination pages (and slots) are safe to reuse only once
-            :meth:`KVManager.draining` for the handle is 0.
+        exception: the opening's stored exception, removed.
+        failure_record: the room's failure reason, removed.
+        draining: this opening's posted transfers still in flight; its pages and slots are
+            reusable only once :meth:`KVManager.draining` for the handle is 0.
     """
 
     room: int
@@ -169,8 +152,7 @@ class ManagerPurge:
 
 
 def _note(exc: BaseException, text: str) -> None:
-    """Add ``text`` to ``exc``'s notes once (the stored exception names its room). Python
-    3.10 has no ``add_note``: the ``__notes__`` list is set as 3.11 would set it."""
+    """Add ``text`` to ``exc``'s notes once (also on Python 3.10, without ``add_note``)."""
     notes = getattr(exc, "__notes__", None)
     if notes is not None and text in notes:
         return
@@ -185,11 +167,8 @@ def _no_bytes(chunk: Chunk) -> int:
 
 
 class PlainGate:
-    """A room's post gate outside debug mode: a bare ``threading.Lock`` (itself the context
-    manager ``write_untimed()`` returns), made at open time so that DPOR explorers, which
-    patch ``threading.Lock``, see it. In debug mode the gate is a ``MutexLock`` of level
-    ``ROOM_GATE`` instead, so that the lock order is checked; both are held the same way
-    (``with gate.write_untimed(): ...``)."""
+    """A room's post gate outside debug mode (debug: a ``MutexLock`` of level ROOM_GATE): a
+    bare ``threading.Lock``, made at open time so DPOR explorers see it."""
 
     __slots__ = ("_lock",)
 
@@ -212,9 +191,8 @@ class RoomTable:
         debug: lock debug mode.
         events: a :class:`ManagerEvents` listener, or ``None``.
 
-    Thread-safety: every public method is safe from any thread; each is one critical section
-    of ``lock`` (or none) unless it says otherwise. Methods whose name ends in ``_locked``
-    expect the caller to hold ``lock`` in write mode.
+    Thread-safety: every public method is safe from any thread and is one section of
+    ``lock`` unless it says otherwise; ``*_locked`` methods expect ``lock`` held for write.
     """
 
     def __init__(
@@ -231,49 +209,38 @@ class RoomTable:
         self.pool = pool
         self.notifier = notifier
         self.events = events
-        self._debug = debug
         self._debug_gates = debug_from_env() if debug is None else bool(debug)
         self.lock = make_lock(lock, "kv-manager", LockLevel.ROOM, debug=debug)
         self.failure_lock = make_lock("mutex", "kv-failure", LockLevel.FAILURE, debug=debug)
         # --- Guarded by lock (read under read(), mutate under write()). ---
-        # rooms: open rooms. A room id is a key of any per-room table only while it is in
-        # rooms, and only for the generation recorded there (writes carry the handle).
+        # A room id is a key of a per-room table only while it is in rooms.
         self.rooms: dict[int, RoomEntry] = {}
         self.request_status: dict[int, KVPoll] = {}
         self.transfer_infos: dict[int, dict[str, TransferInfo]] = {}
         self.req_to_decode_prefix_len: dict[int, int] = {}
         self.exceptions: dict[int, BaseException] = {}
-        # draining: chunk id -> chunk posted for a room that has since been purged, until
-        # the chunk ends (its bytes may still land: its room's destination pages and its
-        # staging slot are not free until then); draining_by_handle counts them per opening.
+        # draining: chunk id -> posted chunk of a purged room, until it ends; counted per
+        # opening in draining_by_handle.
         self.draining: dict[int, Chunk] = {}
         self.draining_by_handle: dict[RoomHandle, int] = {}
-        # hung: chunk id -> chunk that timed out while NIXL still had it in progress (still
-        # in its entry's inflight or in draining too). Swept until its transfer settles.
+        # hung: chunk id -> chunk failed by us that NIXL still has (also in inflight or
+        # draining); swept until it settles.
         self.hung: dict[int, Chunk] = {}
-        # closing: set once by close_begin(), so that open() (which checks it under the same
-        # lock) and close() are mutually atomic.
+        # closing: set once by close_begin(); open() checks it under the same lock.
         self.closing = False
         self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.failed_by_code: dict[str, int] = {}
         # --- Guarded by failure_lock (taken alone or inside lock). ---
         self.failure_records: dict[int, str] = {}
-        # Last-resort count of worker errors whose own accounting failed (plain int; only
-        # ever incremented by a thread that could not take the lock; read by stats).
+        # Worker errors whose own accounting failed (plain int, no lock).
         self.unaccounted_errors = 0
         self._chunk_ids = itertools.count(1)
-        # A chunk's payload in bytes, for its chunk_ended event (set once by the chunk
-        # pipeline, which knows the page size, before any chunk exists).
+        # A chunk's payload in bytes (set by the pipeline before any chunk exists).
         self.nbytes: Callable[[Chunk], int] = _no_bytes
-        # --- Publication: the After of every deciding section that has events or log lines
-        # to emit, until they were emitted. Guarded by _publish_lock (a leaf lock, taken
-        # inside ``lock`` by seal_locked and alone elsewhere; never held across a listener
-        # call). A reader of the tables (poll's handle_status, status, stats, wait_drained)
-        # takes a copy in its own section and publishes what is still pending before it
-        # returns, so that listener events, log lines and counters agree with what it read.
-        # (Plain locks, looked up at call time, not a Condition: DPOR explorers see them.)
-        # _unpublished maps a sealed After to the lock its publisher holds while emitting it
-        # (None until a thread took it on; a waiter acquires and releases that lock).
+        # --- Publication, guarded by _publish_lock (a leaf lock, never held across a
+        # listener call): _unpublished maps each sealed After not yet emitted to the lock its
+        # publisher holds while emitting it (None: nobody took it on yet). Readers publish or
+        # await what they saw (docs/THREADING.md, 'The sender'). Plain locks: DPOR sees them.
         self._publish_lock = threading.Lock()
         self._unpublished: dict[After, threading.Lock | None] = {}
         self._publishing = threading.local()  # .active: this thread runs a publication
@@ -281,18 +248,14 @@ class RoomTable:
     # ------------------------------------------------------------------ publication
 
     def seal_locked(self, after: After) -> None:
-        """End of a deciding section (caller holds ``lock`` in write mode): if ``after``
-        must be seen emitted (:meth:`After.must_seal`: listener events, a ``WARNING``), it
-        is pending from now on, so that a reader whose section comes later publishes it (or
-        waits for its publisher) before returning. (``INFO``/``DEBUG`` lines alone are
-        emitted right after the section by the deciding thread.)"""
+        """End of a deciding section (``lock`` held for write): if ``after`` must be seen
+        emitted, later readers publish it (or wait for its publisher) before returning."""
         if after.must_seal():
             with self._publish_lock:
                 self._unpublished[after] = None
 
     def publish(self, after: After) -> None:
-        """Emit ``after``'s events and log lines, unless a reader already took it over (the
-        deciding thread calls this once its lock is released). Never raises."""
+        """Emit ``after`` unless a reader took it over (after the lock). Never raises."""
         if not after.must_seal():
             after.run(self.events)
             return
@@ -303,8 +266,7 @@ class RoomTable:
         self._run_claimed(after)
 
     def _claim_locked(self, after: After) -> None:
-        """This thread emits ``after``: it holds a fresh lock, found in ``_unpublished``,
-        until it did. Caller holds ``_publish_lock``."""
+        """This thread emits ``after``, holding a fresh lock until done (``_publish_lock`` held)."""
         done = threading.Lock()
         done.acquire()  # a fresh lock: never blocks
         self._unpublished[after] = done
@@ -323,20 +285,15 @@ class RoomTable:
                 done.release()  # wakes the readers waiting for it
 
     def pending_locked(self) -> list[After] | None:
-        """The Afters sealed and not yet emitted, for :meth:`await_published` (``None``:
-        none). Caller holds ``lock`` (any mode): every section this reader saw is included."""
-        if not self._unpublished:  # a racy first look; a seal in a section we saw is visible
+        """The Afters sealed and not yet emitted (``None``: none); ``lock`` held, any mode."""
+        if not self._unpublished:  # racy, but a seal in a section we saw is visible
             return None
         with self._publish_lock:
             return list(self._unpublished)
 
     def await_published(self, pending: list[After] | None) -> None:
-        """Publish ``pending`` (from :meth:`pending_locked`) before returning: emit each one
-        no thread took on yet, here, and wait for those another thread is emitting. A thread
-        that is itself emitting (a listener calling back into the manager) does not wait, so
-        two listeners reading back at once cannot wait for each other. Waits only for
-        listener calls already in progress (they should return quickly, see
-        :class:`~sender.events.ManagerEvents`). Never raises."""
+        """Emit each of ``pending`` no thread took on yet; wait for those being emitted. A
+        thread that is itself emitting (a listener calling back) does not wait. Never raises."""
         if not pending or getattr(self._publishing, "active", False):
             return
         for after in pending:
@@ -355,16 +312,15 @@ class RoomTable:
     # ------------------------------------------------------------------ reads
 
     def peek(self, handle: RoomHandle) -> RoomEntry | None:
-        """The entry of that opening, read without the lock (a dict read is atomic): only
-        for a cheap early look; any decision is taken again under the lock."""
+        """The opening's entry, read without the lock: an early look only."""
         entry = self.rooms.get(handle.room)
         if entry is None or entry.handle.generation != handle.generation:
             return None
         return entry
 
     def live_locked(self, handle: RoomHandle, *, count: bool = False) -> RoomEntry | None:
-        """The entry of that opening, or ``None``. Caller holds ``lock`` (write mode when
-        ``count`` is set, which counts a refused late write)."""
+        """The opening's entry, or ``None`` (``count``: counted as a refused late write; then
+        ``lock`` held for write)."""
         entry = self.rooms.get(handle.room)
         if entry is None or entry.handle.generation != handle.generation:
             if count:
@@ -375,16 +331,14 @@ class RoomTable:
     def postable_locked(
         self, handle: RoomHandle, entry: RoomEntry, *, count: bool = False
     ) -> bool:
-        """``entry`` is still the open entry of ``handle`` and its room has not failed: a
-        chunk of it may be staged and posted. Caller holds ``lock``."""
+        """``entry`` is still ``handle``'s open, unfailed entry. Caller holds ``lock``."""
         return (
             self.live_locked(handle, count=count) is entry
             and self.request_status.get(handle.room) is not _FAILED
         )
 
     def tables_locked(self) -> tuple[tuple[str, dict[int, Any]], ...]:
-        """The per-room tables guarded by ``lock``, by name (``failure_records`` has its own
-        lock). Caller holds ``lock``."""
+        """The per-room tables guarded by ``lock``, by name. Caller holds ``lock``."""
         return (
             ("request_status", self.request_status),
             ("transfer_infos", self.transfer_infos),
@@ -393,8 +347,7 @@ class RoomTable:
         )
 
     def lingering_locked(self, handle: RoomHandle | None) -> int:
-        """What purged openings still have in flight (see ``KVManager.draining``). Caller
-        holds ``lock``."""
+        """See ``KVManager.draining``. Caller holds ``lock``."""
         if handle is None:
             chunks: Sequence[Chunk] = list(self.draining.values())
             n = len(chunks)
@@ -417,7 +370,7 @@ class RoomTable:
         return n + max(0, held - under_chunks)
 
     def draining_of_locked(self, handle: RoomHandle | None) -> list[Chunk]:
-        """The draining chunks of that opening (all with ``None``). Caller holds ``lock``."""
+        """The opening's draining chunks (all with ``None``). Caller holds ``lock``."""
         if handle is None:
             return list(self.draining.values())
         if not self.draining_by_handle.get(handle):
@@ -457,11 +410,9 @@ class RoomTable:
         chunk_idx: int | None = None,
         quiet: bool = False,
     ) -> bool:
-        """Fail the opening (status ``Failed``; the first exception and reason are kept). The
-        first failure of an opening is counted by reason code, told to the listener and
-        logged as one WARNING naming room, generation, sessions, code and reason (``quiet``:
-        the caller logs it, e.g. a session failed as a whole). ``False`` for a purged
-        opening (counted as a refused late write). Caller holds ``lock`` (write)."""
+        """Fail the opening, keeping the first exception and reason; its first failure is
+        counted by code, told and logged (``quiet``: the caller logs). ``False`` for a purged
+        opening (a refused late write). Caller holds ``lock`` (write)."""
         entry = self.live_locked(handle, count=True)
         if entry is None:
             return False
@@ -480,9 +431,7 @@ class RoomTable:
             self.failure_records.setdefault(room, reason)
         # mutant-site: fail-locked
         if first and not entry.concluded:
-            # A room that concluded Success and is failed afterwards (abort() or
-            # record_failure() before clear()) is Failed from now on, but it is counted
-            # neither in rooms_failed nor by code: rooms_failed_by_code sums to rooms_failed.
+            # A room failed after it succeeded is not counted: by-code sums to rooms_failed.
             code = code or code_for(reason, exc)
             entry.failure_code = code
             self.failed_by_code[code] = self.failed_by_code.get(code, 0) + 1
@@ -609,8 +558,7 @@ class RoomTable:
         session_id: str | None = None,
         chunk_idx: int | None = None,
     ) -> bool:
-        """:meth:`fail_locked` in one write section, its after-effects run. Never raises for a
-        state reason."""
+        """:meth:`fail_locked` in one write section. Never raises for a state reason."""
         after = After()
         with self.lock.write_untimed():
             failed = self.fail_locked(
@@ -622,9 +570,8 @@ class RoomTable:
         return failed
 
     def purge(self, room: int, generation: int | None) -> ManagerPurge:
-        """Remove the opening from every table, the staging context and the slot pool at once
-        (see ``KVManager.purge_room``): its post gate, then one write section (ROOM ->
-        STAGING -> FAILURE), all untimed. Never raises for a state reason."""
+        """See ``KVManager.purge_room``: under the post gate, one untimed write section.
+        Never raises for a state reason."""
         with self.lock.read():
             entry = self.rooms.get(room)
         # mutant-site: purge-if-1
@@ -645,10 +592,8 @@ class RoomTable:
                     tables.append(name)
             # mutant-site: purge-set-staged
             staged = self.staging.purge_room(entry.handle)
-            # Staging slots are not returned here: every slot of this opening is held by a
-            # thread (gathering into it, or under a posted chunk), and that thread returns it
-            # when it skips the chunk or when the chunk ends. Returning it now would let
-            # another room lease and overwrite a slot that a transfer still reads from.
+            # Slots are not returned here: their holders return them when their chunk ends
+            # or is skipped (a posted transfer may still read one).
             with self.failure_lock.write():
                 record = self.failure_records.pop(room, None)
                 if record is not None:
@@ -697,9 +642,8 @@ class RoomTable:
         )
 
     def fail_session(self, session_id: str, reason: str) -> frozenset[int]:
-        """Fail every open, unconcluded room of ``session_id`` and drop the session's staging
-        keys, in one write section (untimed); logged once for the session. Never raises for
-        a state reason."""
+        """Fail every open, unconcluded room of ``session_id`` and drop its staging keys, in
+        one untimed write section. Never raises for a state reason."""
         after = After()
         with self.lock.write_untimed():
             failed = self.fail_session_locked(session_id, reason, after)
@@ -708,9 +652,7 @@ class RoomTable:
         return failed
 
     def fail_session_locked(self, session_id: str, reason: str, after: After) -> frozenset[int]:
-        """:meth:`fail_session`'s section (caller holds ``lock`` in write mode): the rooms'
-        status, ``sessions_failed`` and the session's log line (in ``after``) change in the
-        caller's section, so a reader never sees the rooms failed and the counter not."""
+        """:meth:`fail_session` in the caller's write section (rooms and counter together)."""
         failed: list[tuple[int, int]] = []
         for room_id, entry in self.rooms.items():
             if session_id not in entry.sessions:
@@ -731,8 +673,7 @@ class RoomTable:
         # mutant-site: fail-session-locked
         self.staging.purge_session(session_id)
         self.counts["sessions_failed"] += 1
-        # Once per wave of rooms: a session is failed again by every later chunk that sees
-        # the same error, which finds nothing left to fail (DEBUG then).
+        # Later chunks with the same error fail it again with nothing left: DEBUG then.
         level = logging.WARNING if failed else logging.DEBUG
         if failed or logger.isEnabledFor(logging.DEBUG):
             named = ", ".join(f"{r} (gen {g})" for r, g in failed[:MAX_ROOMS_LOGGED])
@@ -771,17 +712,13 @@ class RoomTable:
         entry_expected: RoomEntry | None = None,
         enqueue: Callable[[list[Chunk]], None] | None = None,
     ) -> list[Chunk] | None:
-        """Check a send against its room and make one chunk per session, in one write
-        section: ``None`` if the opening is purged or failed (refused). With
-        ``entry_expected`` (the caller holds that entry's gate) the chunks are registered
-        as in flight in the same section (the post fence's check-and-register); with
-        ``enqueue`` they are handed to it under the lock (the worker queue: ``close()``'s
-        stop sentinels then queue behind them).
+        """Check a send and make one chunk per session, in one write section; ``None`` if
+        the opening is purged or failed. ``entry_expected`` (its gate held): also register
+        them in flight; ``enqueue``: hand them to it under the lock.
 
         Raises:
-            ValueError: the room is not ready, ``chunk_idx`` was already submitted, the
-                chunk ends past ``num_kv_indices`` or a session's destination pages, or (with
-                a staging pool) it sends a session more pages than a slot holds. Nothing
+            ValueError: room not ready, ``chunk_idx`` already submitted, the chunk ends past
+                ``num_kv_indices`` or a session's pages, or exceeds a staging slot. Nothing
                 changes then.
         """
         n = int(kv_indices.shape[0])
@@ -813,7 +750,7 @@ class RoomTable:
                         f"session {info.session_id!r} has {info.dst_pages.size} destination "
                         f"pages; chunk ends at page {end}"
                     )
-                # Pages before the decode prefix are already at the peer: skip them.
+                # Pages in the decode prefix are already at the peer.
                 skip = min(max(info.decode_prefix_len - start, 0), n)
                 sends = skip < n
                 if self.pool is not None and n - skip > self.pool.slot_pages:
@@ -866,11 +803,9 @@ class RoomTable:
     def register(
         self, handle: RoomHandle, entry: RoomEntry, chunks: Sequence[Chunk], after: After
     ) -> bool:
-        """The post fence's check-and-register (the caller holds ``entry.gate``): if the
-        opening is still open and not failed, register ``chunks`` as in flight (``True``);
-        else count them skipped (``False``; their events go to ``after``, sealed, which the
-        caller publishes once it released the gate: listeners never run under a lock of the
-        model). One write section."""
+        """The post fence (``entry.gate`` held): register ``chunks`` in flight if the
+        opening is postable (``True``); else count them skipped into ``after``, sealed, for
+        the caller to publish after the gate (``False``)."""
         with self.lock.write():
             # mutant-site: register
             if self.postable_locked(handle, entry, count=True):
@@ -882,18 +817,14 @@ class RoomTable:
             return False
 
     def still_postable(self, handle: RoomHandle, entry: RoomEntry) -> bool:
-        """A read: may a chunk of it still be staged? (The answer that counts is
-        :meth:`register`'s.)"""
+        """May a chunk of it still be staged? (:meth:`register` decides.)"""
         with self.lock.read():
             return self.postable_locked(handle, entry)
 
     def note_prefetched(self, chunks: Sequence[Chunk]) -> list[Chunk]:
-        """Record the staging prefetch key of each chunk with pages to stage (staging
-        context), then count every chunk of ``chunks`` on the room in one write section
-        (one with no page to stage, wholly inside the decode prefix, has nothing to prefetch
-        and counts as in); mark the room prefetched once every chunk of it is in. Returns
-        the chunks whose key was recorded (the other chunks with pages are counted skipped:
-        their room is gone; those without pages go on to the post fence, which decides)."""
+        """Record the prefetch key of each chunk with pages and count the chunks on the room;
+        mark it prefetched once all are in. Returns the chunks whose key was recorded (other
+        chunks with pages are counted skipped: their room is gone)."""
         if not chunks:
             return []
         handle = chunks[0].handle
@@ -921,8 +852,7 @@ class RoomTable:
         return kept
 
     def skipped_locked(self, chunks: Sequence[Chunk], after: After) -> None:
-        """Count ``chunks`` skipped (never posted: their room is purged or failed) and
-        collect their ``chunk_ended`` events into ``after``. Caller holds ``lock`` (write)."""
+        """Count ``chunks`` skipped (never posted), events into ``after``; ``lock`` held."""
         self.counts["chunks_skipped"] += len(chunks)
         # mutant-site: skipped-locked
         if self.events is not None and chunks:
@@ -933,7 +863,7 @@ class RoomTable:
                 )
 
     def skip(self, chunks: Sequence[Chunk]) -> None:
-        """:meth:`skipped_locked` in one write section, its events emitted after it."""
+        """:meth:`skipped_locked` in one write section."""
         after = After()
         with self.lock.write():
             self.skipped_locked(chunks, after)
@@ -941,8 +871,7 @@ class RoomTable:
         self.publish(after)
 
     def _ended_locked(self, chunk: Chunk, outcome: str, after: After) -> None:
-        """Count ``chunk`` ended ``outcome`` (``"failed"`` or ``"skipped"``) before its post
-        and collect its event. Caller holds ``lock`` (write)."""
+        """Count an unposted chunk ended ``"failed"`` or ``"skipped"``; ``lock`` held."""
         if outcome == "skipped":
             self.skipped_locked((chunk,), after)
             return
@@ -954,26 +883,8 @@ class RoomTable:
                  self.nbytes(chunk))
             )
 
-    def complete_unposted(self, chunks: Sequence[Chunk]) -> None:
-        """Chunks with no page to send (all in the decode prefix) are done at once."""
-        if not chunks:
-            return
-        after = After()
-        with self.lock.write():
-            for chunk in chunks:
-                entry = self.live_locked(chunk.handle, count=True)
-                if entry is None:
-                    self.counts["chunks_skipped"] += 1
-                    continue
-                entry.jobs_done += 1
-                self.counts["chunks_done"] += 1
-                self.maybe_succeed_locked(entry, after)
-            self.seal_locked(after)
-        self.publish(after)
-
     def slot_failed(self, chunk: Chunk, exc: BaseException) -> None:
-        """No staging slot for ``chunk``: fail its room (the chunk ends failed, or skipped if
-        its room is gone)."""
+        """No staging slot for ``chunk``: fail its room; the chunk ends failed (or skipped)."""
         after = After()
         with self.lock.write():
             if self.fail_locked(
@@ -987,9 +898,8 @@ class RoomTable:
         self.publish(after)
 
     def internal_error(self, chunk: Chunk, exc: BaseException, *, chunk_ends: bool) -> None:
-        """An unexpected error while handling ``chunk``: count it and fail the room; with
-        ``chunk_ends`` the chunk also ends here (failed, or skipped if its room is gone).
-        Never raises (if even that fails, the error is still counted)."""
+        """An unexpected error handling ``chunk``: count it, fail the room, and with
+        ``chunk_ends`` end the chunk. Never raises."""
         try:
             after = After()
             with self.lock.write_untimed():
@@ -1006,10 +916,8 @@ class RoomTable:
             self.unaccounted_errors += 1
 
     def mark_hung(self, chunk: Chunk, exc: BaseException, *, fail_session: bool = False) -> bool:
-        """The chunk failed by our doing -- it passed its deadline, or its peer was removed
-        (``remove_peer`` kept the transfer) -- while NIXL still has it in progress: fail its
-        room now (with ``fail_session``, its session too, in the same section), keep the
-        chunk (transfer and slot) until it settles. ``False`` if it was hung or ended
+        """The chunk failed by us while NIXL still has it: fail its room (and its session
+        with ``fail_session``), keep the chunk until it settles. ``False`` if hung or ended
         already."""
         after = After()
         with self.lock.write_untimed():
@@ -1036,13 +944,9 @@ class RoomTable:
         nbytes: Callable[[Chunk], int],
         fatal: Callable[[BaseException], bool],
     ) -> After:
-        """The locked half of ending chunks (each already claimed, released and its slot
-        returned by the caller), all in one write section: unregister each, count it (done,
-        failed or drained), advance or fail its open room, queue its opening's held notice
-        once its last draining chunk ended, and fail the session of each chunk whose
-        ``fatal(exc)`` holds and that was not already failed (:meth:`fail_session_locked`).
-        Entries of ``ends``: ``(chunk, exc, abandoned, already_failed)``. Returns the
-        after-effects, sealed (the caller publishes them: :meth:`publish`)."""
+        """The locked half of ending claimed chunks ``(chunk, exc, abandoned,
+        already_failed)``, in one write section: unregister, count, advance or fail the
+        room, release a held notice, fail fatal sessions. Returns the sealed After."""
         after = After()
         fatal_ends: list[tuple[str, BaseException]] | None = None
         now = time.monotonic()
@@ -1067,8 +971,7 @@ class RoomTable:
                         self.draining_by_handle.pop(handle, None)
                 # mutant-site: account-ends-if-1
                 if abandoned:
-                    # Its writes were given up, not drained: they may still land, so the
-                    # decode side must not be told it may reuse the room's pages.
+                    # Its writes may still land: the decode side must not reuse the pages.
                     self.notifier.withhold(handle)
                 elif drained and left == 0:
                     self.notifier.drained(handle)  # its opening's last posted chunk ended
@@ -1082,28 +985,23 @@ class RoomTable:
                     counts["chunks_drained"] += 1
                     if released:
                         counts["chunks_released_by_transport"] += 1
-                    if events:
-                        after.ended.append(
-                            (chunk.session_id, "drained", now - chunk.made_at, nbytes(chunk))
-                        )
-                    continue
-                if exc is None:
+                    outcome = "drained"
+                elif exc is None:
                     entry.jobs_done += 1
                     counts["chunks_done"] += 1
                     if entry.last_chunk_seen and entry.jobs_done == entry.jobs_total:
                         self.maybe_succeed_locked(entry, after)
-                    if events:
-                        after.ended.append(
-                            (chunk.session_id, "done", now - chunk.made_at, nbytes(chunk))
-                        )
-                    continue
-                counts["chunks_failed"] += 1
+                    outcome = "done"
+                else:
+                    counts["chunks_failed"] += 1
+                    outcome = "failed"
                 if events:
                     after.ended.append(
-                        (chunk.session_id, "failed", now - chunk.made_at, nbytes(chunk))
+                        (chunk.session_id, outcome, now - chunk.made_at, nbytes(chunk))
                     )
-                if already_failed:
+                if outcome != "failed" or already_failed:
                     continue
+                assert exc is not None
                 room = handle.room
                 if released:
                     counts["chunks_released_by_transport"] += 1
@@ -1125,7 +1023,6 @@ class RoomTable:
                     stored = exc
                     code = code_for(reason, exc)
                     if isinstance(exc, TransferFailedError):
-                        # NIXL reported an error *state*: the room fails with an error naming it.
                         stored = KVTransferError(
                             room, f"transfer in error state ({exc})",
                             generation=handle.generation, session_id=chunk.session_id,
@@ -1139,8 +1036,7 @@ class RoomTable:
                 if fatal(exc):
                     fatal_ends = fatal_ends or []
                     fatal_ends.append((chunk.session_id, exc))
-            # The sessions fail in this section too: a reader that sees a room failed by a
-            # fatal chunk sees its session failed and counted (sessions_failed) as well.
+            # In this section: a reader sees the room and its session failed together.
             if fatal_ends is not None:
                 for session_id, fatal_exc in fatal_ends:
                     self.fail_session_locked(
@@ -1150,8 +1046,8 @@ class RoomTable:
         return after
 
     def pending_of(self, handle: RoomHandle) -> list[Chunk]:
-        """What an inline ``progress(handle)`` polls: the room's in-flight chunks, every
-        draining chunk and the hung chunks of other rooms. One read section."""
+        """What inline ``progress(handle)`` polls: the room's in-flight chunks, every
+        draining chunk and other rooms' hung chunks."""
         with self.lock.read():
             entry = self.live_locked(handle)
             pending = [] if entry is None else list(entry.inflight.values())
@@ -1163,8 +1059,7 @@ class RoomTable:
         return pending
 
     def slot_holders(self) -> list[Chunk]:
-        """The posted chunks that hold a staging slot, of open rooms and draining (one read
-        section; inline mode polls them while a send waits for a slot)."""
+        """The posted chunks that hold a staging slot, open rooms' and draining."""
         with self.lock.read():
             held = [
                 c
@@ -1178,7 +1073,7 @@ class RoomTable:
         return held
 
     def hung_chunks(self) -> list[Chunk]:
-        """A snapshot of the hung chunks (one read section)."""
+        """A snapshot of the hung chunks."""
         with self.lock.read():
             # mutant-site: hung-chunks
             return list(self.hung.values())
@@ -1186,8 +1081,7 @@ class RoomTable:
     # ------------------------------------------------------------------ snapshots
 
     def gauges(self) -> tuple[int, int, int]:
-        """``(open rooms, chunks in flight of open rooms, chunks draining)``; caller holds
-        ``lock``."""
+        """``(open rooms, in-flight chunks, draining chunks)``; caller holds ``lock``."""
         return (
             len(self.rooms),
             sum(len(e.inflight) for e in self.rooms.values()),

@@ -1,29 +1,14 @@
 """`NixlTransport`: the only module that talks to NIXL (through :mod:`sender._nixl`).
 
-One transport = one NIXL agent with the UCX backend, created with
-``NIXL_THREAD_SYNC_STRICT``: NIXL's default sync mode (NONE) crashes with SIGSEGV when a few
-threads share an agent; STRICT serialises the agent's calls internally.
+One transport = one NIXL agent with the UCX backend, made with ``NIXL_THREAD_SYNC_STRICT``
+(the default sync mode crashes when threads share an agent). NIXL's progress thread is kept
+but sleeps ``progress_delay_us`` between rounds (docs/PERFORMANCE.md, "The transport's
+progress thread"). NIXL does not guard transfer handles (a released one polls ``"DONE"``, a
+double release crashes): :class:`Transfer` owns its handle and releases it at most once.
 
-Progress thread
----------------
-NIXL's progress thread is kept (without one, a receiving agent must call
-``get_new_notifs()`` continuously or incoming transfers stall) but given a delay: the
-wrapper is built with ``enable_prog_thread=False`` and no backend, its public ``agent``
-attribute is replaced by a binding agent built from our ``nixlAgentConfig`` (``pthrDelay`` =
-``progress_delay_us``, default 100 µs), and the UCX backend is created on that one. NIXL
-1.5.1's wrapper hard-codes ``pthrDelay=0``, a full core per idle agent. Why 100 µs, and the
-idle-CPU and latency figures: docs/PERFORMANCE.md, "The transport's progress thread".
-
-Handle lifetime
----------------
-NIXL does not guard transfer handles: ``check_xfer_state`` on a released handle returns a
-bogus ``"DONE"`` and releasing twice crashes the process. :class:`Transfer` owns its handle
-behind a per-transfer lock: release happens at most once, and ``poll()`` after release raises
-:class:`~sender.errors.TransferReleasedError` without touching NIXL.
-
-Lock order (never acquire against it): ``NixlTransport._admin_lock`` →
-``Transfer._lock`` → ``NixlTransport._lock``. ``_lock`` is held only for bookkeeping, never
-across a NIXL call; ``Transfer._lock`` is held across that transfer's own NIXL calls.
+Lock order: ``NixlTransport._admin_lock`` → ``Transfer._lock`` → ``NixlTransport._lock``.
+``_lock`` is bookkeeping only, never held across a NIXL call; ``Transfer._lock`` is held
+across that transfer's own NIXL calls. See docs/THREADING.md, "The transport".
 """
 
 from __future__ import annotations
@@ -39,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -64,7 +49,7 @@ from sender.errors import (
 from sender.pages import CheckedPages, as_pages, scan_pages
 from staging.validate import bounded_wait, check_seconds
 
-if TYPE_CHECKING:  # torch is imported lazily: a CPU-only peer process need not pay ~2 s for it
+if TYPE_CHECKING:  # torch is imported lazily (costly for a CPU-only peer process)
     import torch
 
 __all__ = [
@@ -99,38 +84,20 @@ _HEADER_LEN = struct.Struct(">I")
 _MAX_HEADER = 1 << 20
 _ADDR_LIMIT = 1 << 63  # region end (base_addr + nbytes) must fit a signed 64-bit descriptor
 _DEVICE_LIMIT = 1 << 31
-# How long close() keeps retired regions' memory alive after dropping the agent. On one host
-# UCX writes by CMA (the sender's process_vm_writev), so a sender that has not yet noticed the
-# disconnect can land bytes after close(): measured up to ~1 ms later (docs/PROTOCOL.md).
+# close() keeps retired regions' memory this long after dropping the agent: a same-host
+# sender writing by CMA can still land bytes just after close() (docs/PROTOCOL.md, 1.).
 _RETIRED_GRACE_S = 0.25
-# How long close() keeps progressing the agent after the last send_notif before it removes
-# the peers. A notification is queued in UCX when send_notif returns and goes out only as
-# the agent's worker is progressed (get_new_notifs does; with nothing else polling, as after
-# a KVManager.close, the notices sat queued), and tearing the agent down cancels what is
-# still queued: the decode side never learns, and UCX prints "UCX AM send failed with status
-# -16 (Request canceled)" on stderr. Measured (50 queued notices, load 10-17 on 2 cores):
-# closing at once canceled all 50 in 3/3 runs; after 100 ms of sleep, in 3/5; after ~100 ms
-# of get_new_notifs every 1 ms, in 0/6. Best effort: a bound, not a delivery guarantee.
+# close() progresses the agent this long after the last send_notif: UCX sends a queued
+# notification only as the agent is progressed, and tearing it down cancels what is queued.
 _NOTIF_FLUSH_S = 0.25
 _NOTIF_FLUSH_POLL_S = 0.001
 
 
-# --------------------------------------------------------------------------- metadata
-
-
 @dataclass(frozen=True)
 class RegionInfo:
-    """One registered memory region as published in metadata.
-
-    Attributes:
-        name: Region name ("kv", "staging", ...).
-        base_addr: Address of page 0 in the owner's address space (or device).
-        nbytes: Region size in bytes (``num_pages * page_bytes``).
-        page_bytes: Size of one page.
-        num_pages: Number of pages.
-        mem_type: NIXL memory type, ``"DRAM"`` or ``"VRAM"``.
-        device_id: CUDA device index for VRAM, 0 for DRAM.
-    """
+    """One registered memory region as published in metadata: ``base_addr`` is page 0 in
+    the owner's address space (or device), ``mem_type`` ``"DRAM"`` or ``"VRAM"``,
+    ``device_id`` the CUDA device (0 for DRAM)."""
 
     name: str
     base_addr: int
@@ -141,15 +108,7 @@ class RegionInfo:
     device_id: int
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "base_addr": self.base_addr,
-            "nbytes": self.nbytes,
-            "page_bytes": self.page_bytes,
-            "num_pages": self.num_pages,
-            "mem_type": self.mem_type,
-            "device_id": self.device_id,
-        }
+        return asdict(self)  # every field, in declaration order (docs/PROTOCOL.md)
 
     @classmethod
     def from_json(cls, obj: Any) -> RegionInfo:
@@ -169,7 +128,6 @@ class RegionInfo:
         if page_bytes <= 0 or num_pages <= 0 or nbytes != page_bytes * num_pages:
             raise TransportParamError(f"inconsistent sizes in region {name!r}")
         if base + nbytes >= _ADDR_LIMIT or device_id >= _DEVICE_LIMIT:
-            # Descriptors are int64 rows: a larger address would overflow or wrap.
             raise TransportParamError(f"address or device id out of range in region {name!r}")
         if mem_type not in ("DRAM", "VRAM"):
             raise TransportParamError(f"unsupported mem type {mem_type!r} in region {name!r}")
@@ -178,13 +136,7 @@ class RegionInfo:
 
 @dataclass(frozen=True)
 class PeerMetadata:
-    """Decoded result of :meth:`NixlTransport.metadata`.
-
-    Attributes:
-        agent_name: The NIXL agent name of the publishing transport.
-        regions: Registered regions by name.
-        agent_blob: NIXL's own agent metadata (``get_agent_metadata()``).
-    """
+    """Decoded :meth:`NixlTransport.metadata`; ``agent_blob`` is NIXL's own part."""
 
     agent_name: str
     regions: dict[str, RegionInfo]
@@ -200,12 +152,10 @@ def _encode_metadata(agent_name: str, regions: Sequence[RegionInfo], blob: bytes
 
 
 def decode_metadata(data: bytes) -> PeerMetadata:
-    """Decode the bytes produced by :meth:`NixlTransport.metadata`.
+    """Decode the bytes produced by :meth:`NixlTransport.metadata`. Pure: any thread.
 
     Format: ``b"NXSTG\\x01"``, a big-endian u32 header length, a UTF-8 JSON header
     ``{"agent": str, "regions": [RegionInfo...]}``, then NIXL's agent metadata blob.
-
-    Thread-safety: pure function, safe from any thread.
 
     Raises:
         TransportParamError: The bytes are not metadata of this format.
@@ -223,8 +173,6 @@ def decode_metadata(data: bytes) -> PeerMetadata:
     try:
         header = json.loads(data[off : off + hlen].decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        # ValueError covers JSONDecodeError and an int literal past Python's digit limit;
-        # RecursionError a header nested too deep.
         raise TransportParamError(f"bad metadata header: {type(exc).__name__}") from None
     blob = data[off + hlen :]
     if not isinstance(header, dict) or not isinstance(header.get("agent"), str):
@@ -243,16 +191,10 @@ def decode_metadata(data: bytes) -> PeerMetadata:
     return PeerMetadata(header["agent"], regions, blob)
 
 
-# --------------------------------------------------------------------------- stats
-
-
 @dataclass(frozen=True)
 class TransportStats:
-    """Snapshot of a transport's counters (see :meth:`NixlTransport.stats`).
-
-    ``transfers_started`` counts successfully posted transfers; each of them ends up in at
-    most one of ``done``/``failed``/``timed_out`` (or none, when released while pending).
-    """
+    """Snapshot of a transport's counters. Each started (posted) transfer ends in at most
+    one of ``done``/``failed``/``timed_out``."""
 
     transfers_started: int
     transfers_done: int
@@ -263,14 +205,9 @@ class TransportStats:
     peers: int
     regions: int
     release_refused: int = 0
-    """Handles NIXL refused to release (active, cannot cancel). Kept referenced and retried
-    by :meth:`NixlTransport.close`; never released twice."""
+    """Handles NIXL refused to release; retried once by :meth:`NixlTransport.close`."""
     transfers_kept_at_removal: int = 0
-    """Transfers that :meth:`NixlTransport.remove_peer` kept (failed, not released) because
-    NIXL still had them in progress: their bytes may still land."""
-
-
-# --------------------------------------------------------------------------- internals
+    """Transfers :meth:`NixlTransport.remove_peer` kept because NIXL had them in progress."""
 
 
 @dataclass(eq=False)
@@ -279,8 +216,7 @@ class _LocalRegion:
     memory: object  # the tensor/array, kept referenced while registered
     reg_descs: Any  # NIXL registration list, needed to deregister
     prepped: Any = None  # NIXL prepared list, one descriptor per page (None: not prepared)
-    # Its binding handle (what ``makeXferReq`` takes), or None; set once.
-    prepped_id: int | None = field(init=False, default=None)
+    prepped_id: int | None = field(init=False, default=None)  # its handle, for makeXferReq
 
     def __post_init__(self) -> None:
         self.prepped_id = None if self.prepped is None else int(self.prepped._handle)
@@ -292,19 +228,13 @@ class _Peer:
     agent_name: str
     regions: dict[str, RegionInfo]
     transfers: set[Transfer] = field(default_factory=set)
-    # NIXL prepared lists of the peer's regions, one descriptor per page, by region name.
-    prepped: dict[str, Any] = field(default_factory=dict)
-    # Set (under the transport's _lock) when remove_peer kept some of its transfers because
-    # NIXL may still move their bytes: the entry, its prepared lists and its reference to
-    # the remote agent stay until the last of them is released (NixlTransport._reap...).
+    prepped: dict[str, Any] = field(default_factory=dict)  # by region name, as _LocalRegion's
+    # Set under the transport's _lock by remove_peer; the entry stays (in _retired_peers)
+    # until its last kept transfer is released.
     retired: bool = False
-    # Their binding handles (what ``makeXferReq`` takes), by region name; set once.
     prepped_ids: dict[str, int] = field(default_factory=dict)
-    # Set once NIXL reported this peer's agent disconnected; cleared when a later write to
-    # it completes (the peer is reachable again, e.g. a healed partition: NIXL's UCX
-    # endpoint reconnected without remove_peer/add_peer). A peer added again (remove_peer +
-    # add_peer, e.g. a restarted process) is a new entry. A bool write is atomic: written
-    # and read without _lock.
+    # NIXL reported the peer disconnected; cleared when a later write completes. Read and
+    # written without _lock (a bool write is atomic).
     disconnected: bool = False
 
     def __post_init__(self) -> None:
@@ -315,11 +245,8 @@ def _descs(
     base: int, page_bytes: int, starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64] | int,
     device_id: int,
 ) -> npt.NDArray[np.uint64]:
-    """Nx3 ``(address, length, device)`` rows for NIXL, built without Python-level loops.
-
-    Arithmetic is int64 (validated indices keep ``base + index * page_bytes`` far below
-    2**63) and the result is reinterpreted as the uint64 NIXL expects.
-    """
+    """Nx3 ``(address, length, device)`` rows for NIXL: int64 arithmetic (validated
+    indices keep it below 2**63), viewed as uint64."""
     rows = np.empty((starts.shape[0], 3), dtype=np.int64)
     np.multiply(starts, page_bytes, out=rows[:, 0])
     rows[:, 0] += base
@@ -331,20 +258,16 @@ def _descs(
     return rows.view(np.uint64)
 
 
-# --------------------------------------------------------------------------- Transfer
-
-
 class Transfer:
     """One posted WRITE of many pages to one peer; owns its NIXL handle.
 
-    Created only by :meth:`NixlTransport.write_pages`. All methods are thread-safe: a
-    per-transfer lock serialises ``poll``/``release`` on the same transfer (different
-    transfers never block each other here). ``release()`` is idempotent.
+    Made only by :meth:`NixlTransport.write_pages`. Thread-safe: ``_lock`` guards the
+    mutable fields and serialises ``poll``/``release``/``settled`` on this transfer.
     """
 
     REPORTS_DONE_AT_POST = True
-    """Its ``done`` says whether the write completed inside its post (a class attribute:
-    wrappers that forward attributes through ``__getattr__`` do not inherit it)."""
+    """``done`` says whether the write completed inside its post (a class attribute, so
+    wrappers forwarding through ``__getattr__`` do not inherit it)."""
 
     __slots__ = (
         "__weakref__",
@@ -375,7 +298,6 @@ class Transfer:
         page_bytes: int,
         timeout_s: float,
     ) -> None:
-        # Immutable after construction (kept few: this runs once per write).
         self._transport = transport
         self._peer = peer  # the peer entry this transfer was added to
         self._src_region = src_region
@@ -385,17 +307,13 @@ class Transfer:
         self._start = time.monotonic()  # the deadline is _start + _timeout_s
         # _lock guards every field below; held across this transfer's own NIXL calls only.
         self._lock = threading.Lock()
-        # The binding agent this transfer's handle belongs to (``makeXferReq``,
-        # ``postXferReq``, ``getXferStatus``, ``releaseXferReq`` on plain int handles: the
-        # wrapper's per-call objects cost ~3 us a write). Guarded by _lock; None once released.
-        self._ops: Any = ops
-        self._handle: int | None = None  # guarded by _lock; None before post/after release
-        self._failure: BaseException | None = None  # guarded by _lock
-        # Guarded by _lock. _timed_out: the failure is our deadline, not NIXL's. _kept: its
-        # peer was removed while NIXL still had it in progress (failed by us, not NIXL).
+        self._ops: Any = ops  # the binding agent (plain int handles); None once released
+        self._handle: int | None = None  # None before post/after release
+        self._failure: BaseException | None = None
+        # _timed_out: failed by our deadline. _kept: failed by remove_peer/deregister_region
+        # while NIXL still had it in progress.
         self._done = self._timed_out = self._released = self._kept = False
 
-    # -- read-only properties (plain reads of immutable or monotonic fields) --
     @property
     def session_id(self) -> str:
         """Destination session id."""
@@ -423,7 +341,7 @@ class Transfer:
 
     @property
     def started_at(self) -> float:
-        """``time.monotonic()`` when the transfer was created (its deadline counts from here)."""
+        """``time.monotonic()`` at creation (the deadline counts from here)."""
         return self._start
 
     @property
@@ -443,9 +361,7 @@ class Transfer:
 
     @property
     def peer_removed(self) -> bool:
-        """True once the peer entry this transfer was posted to was removed
-        (:meth:`NixlTransport.remove_peer`; a peer added again under the same session id is
-        a new entry). Never calls NIXL."""
+        """True once its peer entry was removed (a peer added again is a new entry)."""
         return self._peer.retired
 
     def __repr__(self) -> str:
@@ -459,21 +375,17 @@ class Transfer:
         )
 
     def poll(self) -> TransferState:
-        """Check progress once: ``"DONE"`` or ``"PROC"``.
-
-        After ``"DONE"`` was seen the answer is cached (no NIXL call). A failure is remembered
-        and raised again by later polls.
+        """Check progress once: ``"DONE"`` or ``"PROC"``; ``"DONE"`` and failures are cached.
 
         Thread-safety: safe from any thread; serialised with ``release()`` on this transfer.
 
         Raises:
             TransferReleasedError: The transfer was released (NIXL is not touched).
-            TransferTimeoutError: Still in progress at the deadline (the handle stays live;
-                release it, usually after ``remove_peer``).
-            TransferFailedError: NIXL reported a non-exception error status.
+            TransferTimeoutError: Still in progress at the deadline (the handle stays live).
+            TransferFailedError: NIXL reported an error status.
             TransportParamError: NIXL reported a parameter error for this handle.
-            Exception: A NIXL transport error (a member of ``TRANSPORT_ERRORS``), e.g.
-                ``nixlRemoteDisconnectError`` when the peer died.
+            Exception: A NIXL transport error (``TRANSPORT_ERRORS``), e.g.
+                ``nixlRemoteDisconnectError``.
         """
         # mutant-site: poll-with
         with self._lock:
@@ -492,7 +404,7 @@ class Transfer:
                 raise converted from exc
             if status == _NIXL_DONE:
                 self._done = True
-                if self._peer.disconnected:  # it completed: the peer is reachable again
+                if self._peer.disconnected:  # reachable again
                     self._peer.disconnected = False
                 self._transport._on_done()
                 return "DONE"
@@ -509,28 +421,22 @@ class Transfer:
             return "PROC"
 
     def wait(self, timeout_s: float | None = None, interval_s: float | None = None) -> None:
-        """Poll until ``"DONE"``.
-
-        By default the pause between polls adapts (:func:`poll_pauses`): for the first
-        millisecond polls only yield the GIL (a write of up to a few MiB is seen done at
-        once), then pauses grow from 20 µs to 1 ms, so a long write costs little CPU and a
-        short one little latency. ``interval_s`` fixes the pause instead.
+        """Poll until ``"DONE"``, pausing as :func:`poll_pauses` says (``interval_s``: a
+        fixed pause instead).
 
         Thread-safety: safe from any thread (each poll takes the transfer's lock briefly).
 
         Raises:
             TypeError, ValueError: ``timeout_s`` not ``None`` or a number >= 0 (``inf`` =
-                no limit; NaN refused), ``interval_s`` not ``None`` or a finite number >= 0.
-            TimeoutError: ``timeout_s`` elapsed first (the transfer itself is not failed by
-                this; its own deadline still applies).
-            TransferTimeoutError, TransferReleasedError, TransferFailedError: as ``poll()``.
-            Exception: a NIXL transport error, as ``poll()``.
+                no limit), ``interval_s`` not ``None`` or a finite number >= 0.
+            TimeoutError: ``timeout_s`` elapsed first (the transfer is not failed by this).
+            Any error of ``poll()``.
         """
         if timeout_s is not None:
             check_seconds(timeout_s, "timeout_s", allow_zero=True, allow_inf=True)
         if interval_s is not None:
             check_seconds(interval_s, "interval_s", allow_zero=True)
-        if self._done and not self._released:  # seen done at the post (the common case)
+        if self._done and not self._released:  # done at the post (the common case)
             return
         end = None if timeout_s is None else time.monotonic() + float(timeout_s)
         pauses = poll_pauses() if interval_s is None else itertools.repeat(float(interval_s))
@@ -540,17 +446,13 @@ class Transfer:
             pause_between_polls(next(pauses))
 
     def settled(self) -> bool:
-        """``True`` once this write can no longer move bytes, as far as NIXL can tell: it
-        is done, released, or failed with an error NIXL reported. A transfer that failed
-        only by *our* doing -- its deadline (:class:`TransferTimeoutError`), its peer's
-        removal (:meth:`NixlTransport.remove_peer` keeps it, failed with
-        :class:`PeerNotFoundError`) or its source region's deregistration
-        (:class:`RegionRetiredError`) -- is not settled while NIXL still reports it in
-        progress: its peer may be hung or cut off and come back, and the write may then
-        still land. So this asks NIXL again (``check_xfer_state``): ``"DONE"`` or an error
-        means settled. Never raises.
+        """``True`` once this write can move no more bytes: done, released, failed by NIXL,
+        or failed by us (deadline, removal) and no longer in progress at NIXL (asked here).
 
         Thread-safety: safe from any thread; serialised with ``poll()``/``release()``.
+
+        Raises:
+            Nothing.
         """
         with self._lock:
             if self._released or self._done:
@@ -563,14 +465,8 @@ class Transfer:
             return not self._in_progress_at_nixl_locked()
 
     def release(self) -> None:
-        """Release the NIXL handle (at most once).
-
-        Idempotent: later calls (from any thread) are no-ops and never touch NIXL.
-        Releasing a handle that is still ``"PROC"`` cancels it as far as NIXL can: **data
-        may still land** in the peer's buffer afterwards. If NIXL refuses the release, the
-        error is logged and the transport keeps the handle (counted in
-        ``stats().release_refused``) and retries it once at :meth:`NixlTransport.close`; this
-        object counts as released either way, so a second release is impossible.
+        """Release the NIXL handle, at most once. A write in progress may still land
+        **data** afterwards. A refused release is logged and retried by ``close()``.
 
         Thread-safety: safe from any thread; blocks while a ``poll()`` of this transfer runs.
         """
@@ -588,7 +484,7 @@ class Transfer:
                     error = exc
             tx = self._transport
             peer = self._peer
-            with tx._lock:  # one round trip for the transport's bookkeeping
+            with tx._lock:
                 if self in tx._live:
                     tx._n_released += 1
                 tx._forget_locked(self)
@@ -598,21 +494,18 @@ class Transfer:
                 reap = (peer.retired and not peer.transfers) or bool(tx._retiring)
         if error is not None:
             logger.warning("releasing %r failed (%s); retried at close()", self, error)
-        if reap:  # the last kept transfer of a removed peer: drop what it kept loaded
+        if reap:  # the last kept transfer of a removed peer or retiring region
             tx._try_reap_retired()
 
     def _keep_if_unsettled(self, failure: BaseException) -> bool:
-        """``remove_peer``/``deregister_region``: keep this transfer (``True``) when NIXL
-        may still move its bytes -- posted, and neither done nor failed as NIXL answers now
-        -- failing it with ``failure`` unless it already failed by its deadline; ``False``
-        when it can be released now. Caller holds the transport's ``_admin_lock`` (not
-        ``_lock``)."""
+        """Keep (``True``, failing it with ``failure`` unless already failed) a transfer NIXL
+        still has in progress; ``False``: release it. Caller holds ``_admin_lock``."""
         with self._lock:
             if self._released or self._done or self._handle is None:
                 return False
             if self._failure is not None and not self._timed_out:
                 return False
-            # A status check also sends a completed write's notification, as poll() does.
+            # The status check also sends a completed write's notification (NIXL 1.5.1).
             # mutant-site: keep-if-unsettled
             if not self._in_progress_at_nixl_locked():
                 return False
@@ -622,10 +515,8 @@ class Transfer:
                 self._transport._on_failed(timed_out=False)
             return True
 
-    # -- internal, called by NixlTransport / poll with self._lock held --
     def _in_progress_at_nixl_locked(self) -> bool:
-        """Whether NIXL answers ``"PROC"`` for the handle now (an error: it failed it, so
-        nothing of it moves any more)."""
+        """NIXL answers ``"PROC"`` for the handle now (an error counts as not)."""
         try:
             status = self._ops.getXferStatus(self._handle)
         except Exception:
@@ -642,9 +533,6 @@ class Transfer:
         return failure
 
 
-# --------------------------------------------------------------------------- transport
-
-
 class NixlTransport:
     """One NIXL agent (UCX) with named page-structured memory regions and peers.
 
@@ -657,7 +545,8 @@ class NixlTransport:
             xfer.wait()
             xfer.release()
 
-    Every public method is thread-safe unless its docstring says otherwise.
+    Every public method is thread-safe. The agent uses the devices UCX picks from
+    ``UCX_NET_DEVICES``/``UCX_TLS`` (unset: all; docs/ADOPTING.md).
 
     Args:
         name: NIXL agent name; must be unique among connected agents. Default: a fresh
@@ -666,24 +555,11 @@ class NixlTransport:
             ``math.inf`` disables deadlines (a hung peer is then never detected).
         progress_delay_us: Sleep between iterations of NIXL's progress thread (µs, > 0).
 
-    Network devices: the agent uses whatever UCX picks from the process's environment when
-    it is constructed (``UCX_NET_DEVICES``, ``UCX_TLS``; unset: every device UCX finds). The
-    transport sets none of them. On a host whose interfaces come and go (containers' or
-    test topologies' veths), set ``UCX_NET_DEVICES`` to the device(s) you mean: an agent
-    that also uses a device torn down while it is made fails to be made (retried, see
-    below), and one that ranks it best sends over it. The test suite, the stress suite and
-    the benchmarks confine their loopback agents to ``lo`` (``stress.ucx_env``).
-
-    Construction retries the one transient failure known (a network interface UCX found
-    vanished while the backend was made: up to ``AGENT_ATTEMPTS`` attempts, each logged as a
-    warning) and otherwise fails with :class:`~sender.errors.AgentSetupError` naming the
-    cause, never with a bare NIXL backend error.
-
     Raises:
         ImportError: NIXL is not importable.
         TransportParamError: Bad arguments.
         AgentSetupError: NIXL has no UCX plugin, or the UCX backend could not be created
-            (a ``RuntimeError``).
+            (after retrying the one known transient failure; a ``RuntimeError``).
     """
 
     def __init__(
@@ -706,45 +582,35 @@ class NixlTransport:
         self._name = name
         self._default_timeout_s = float(default_timeout_s)
         self._agent: Any = _make_agent(bindings, name, progress_delay_us)
-        # Transfers call the binding agent under the wrapper directly (plain int handles:
-        # the wrapper's per-call objects cost ~3 us a write, a fifth of a 64 KiB write).
+        # Transfers call the binding agent directly: plain int handles, no wrapper objects.
         self._xfer_agent: Any = self._agent.agent
         self._write_op: Any = bindings.NIXL_WRITE
 
-        # _admin_lock serialises membership changes (regions, peers, close) including their
+        # _admin_lock serialises membership changes (regions, peers, close) across their
         # NIXL calls. Order: _admin_lock -> Transfer._lock -> _lock.
         self._admin_lock = threading.Lock()
-        # _lock guards the bookkeeping below; never held across a NIXL call.
+        # _lock guards every field below; never held across a NIXL call.
         self._lock = threading.Lock()
-        self._closed = False  # guarded by _lock
-        self._regions: dict[str, _LocalRegion] = {}  # guarded by _lock
-        self._peers: dict[str, _Peer] = {}  # guarded by _lock
-        self._remote_refs: dict[str, int] = {}  # guarded by _lock; agent name -> sessions
-        self._live: set[Transfer] = set()  # guarded by _lock; transfers not yet released
-        # Removed peers that still have kept transfers (remove_peer); each holds one
-        # reference in _remote_refs until reaped. Guarded by _lock.
+        self._closed = False
+        self._regions: dict[str, _LocalRegion] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._remote_refs: dict[str, int] = {}  # agent name -> sessions using it
+        self._live: set[Transfer] = set()  # transfers not yet released
+        # Removed peers with kept transfers; each holds a _remote_refs reference until reaped.
         self._retired_peers: list[_Peer] = []
-        self._n_kept = 0  # guarded by _lock
-        self._n_started = 0  # guarded by _lock
-        self._n_done = 0  # guarded by _lock
-        self._n_failed = 0  # guarded by _lock
-        self._n_timed_out = 0  # guarded by _lock
-        self._n_released = 0  # guarded by _lock
-        # NIXL handles whose release NIXL refused (still valid on NIXL's side), retried
-        # once by close(). Guarded by _lock.
-        self._refused_handles: list[int] = []
-        self._n_release_refused = 0  # guarded by _lock
-        # monotonic time of the last send_notif that NIXL accepted; close() progresses the
-        # agent until _NOTIF_FLUSH_S after it. Guarded by _lock.
-        self._last_notif_at: float | None = None
-        # Deregistered regions whose memory is kept alive until close(): a remote sender may
-        # still hold their old metadata and write into them. Guarded by _lock.
+        self._n_kept = 0
+        self._n_started = 0
+        self._n_done = 0
+        self._n_failed = 0
+        self._n_timed_out = 0
+        self._n_released = 0
+        self._refused_handles: list[int] = []  # releases NIXL refused; retried by close()
+        self._n_release_refused = 0
+        self._last_notif_at: float | None = None  # monotonic time of the last send_notif
+        # Deregistered regions: memory kept alive until close() (stale remote writes).
         self._retired: list[_LocalRegion] = []
-        # _retiring: deregistered regions still registered with NIXL because a kept transfer
-        # reads them; dropped by _reap_retired_admin once none does. Guarded by _lock.
+        # Deregistered regions still registered with NIXL while a kept transfer reads them.
         self._retiring: list[_LocalRegion] = []
-
-    # ------------------------------------------------------------------ properties
 
     @property
     def name(self) -> str:
@@ -775,17 +641,13 @@ class NixlTransport:
     ) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ memory
-
     def register_region(
         self, name: str, tensor: torch.Tensor | npt.NDArray[Any], page_bytes: int
     ) -> RegionInfo:
         """Register a contiguous tensor as region ``name`` of pages of ``page_bytes`` bytes.
 
-        CPU tensors (and numpy arrays) are registered as DRAM, CUDA tensors as VRAM of their
-        device. The memory is kept referenced until :meth:`close`, also after
-        :meth:`deregister_region` (a remote sender may still write into it). Peers that
-        already hold this transport's metadata must fetch it again to see the new region.
+        CPU tensors and numpy arrays are DRAM, CUDA tensors VRAM. The memory stays
+        referenced until :meth:`close`. Peers see the region after fetching metadata again.
 
         Thread-safety: safe from any thread; serialised with other membership changes.
 
@@ -828,22 +690,12 @@ class NixlTransport:
     def deregister_region(self, name: str) -> bool:
         """Retire region ``name``; returns False if it was not registered.
 
-        The region leaves :meth:`regions` and every later :meth:`metadata` at once, new
-        writes from it are refused, and live transfers reading from it are released --
-        except those NIXL may still move bytes for (posted, neither done nor failed by
-        NIXL: a hung or cut-off peer's), which are *kept*, as :meth:`remove_peer` keeps
-        them: failed with :class:`RegionRetiredError`, still answering
-        :meth:`Transfer.settled` from NIXL, released by their owner once settled (or by
-        :meth:`close`). NIXL's registration of the region (and its prepared list) is
-        dropped once no kept transfer reads it any more. **Its memory is not released**:
-        the transport keeps the tensor referenced until :meth:`close` (and briefly after,
-        see docs/PROTOCOL.md), because a remote sender that loaded the old metadata can
-        still WRITE into it — NIXL 1.5.1 does not refuse such a write after
-        ``deregister_memory`` (measured over UCX CMA and TCP: the bytes land), and nothing
-        tells the receiver when every sender has dropped the metadata. The caller must not
-        reuse that memory (nor register it again) before :meth:`close` either. Registering a
-        new region under the same name is fine: it gets new memory, and senders see it only
-        after fetching the metadata again.
+        It leaves :meth:`regions` and :meth:`metadata` at once and new writes from it are
+        refused. Its live transfers are released, except those NIXL still has in progress:
+        those are kept as :meth:`remove_peer` keeps them (failed with
+        :class:`RegionRetiredError`). **Its memory stays referenced until** :meth:`close`
+        (a stale remote write can still land in it); the caller must not reuse it before
+        then either (docs/PROTOCOL.md, section 1).
 
         Thread-safety: safe from any thread; serialised with other membership changes.
 
@@ -857,7 +709,7 @@ class NixlTransport:
                     return False
                 self._retired.append(region)  # memory stays alive until close()
                 users = [t for t in self._live if t.src_region == name]
-            for t in users:  # waits for posts in progress from this region to return
+            for t in users:  # waits for posts in progress from this region
                 # mutant-site: deregister-region
                 if not t._keep_if_unsettled(RegionRetiredError(name)):
                     t.release()
@@ -867,19 +719,13 @@ class NixlTransport:
         return True
 
     def regions(self) -> dict[str, RegionInfo]:
-        """Snapshot of the registered local regions.
-
-        Thread-safety: safe from any thread.
-        """
+        """Snapshot of the registered local regions. Safe from any thread."""
         with self._lock:
             return {k: r.info for k, r in self._regions.items()}
 
-    # ------------------------------------------------------------------ peers
-
     def metadata(self) -> bytes:
-        """This transport's metadata: NIXL agent metadata plus every region's layout.
-
-        Decode with :func:`decode_metadata`; hand to the other side's :meth:`add_peer`.
+        """This transport's metadata (NIXL agent metadata plus every region's layout), for
+        the other side's :meth:`add_peer`.
 
         Thread-safety: safe from any thread; consistent with concurrent region changes.
 
@@ -897,8 +743,7 @@ class NixlTransport:
     def add_peer(self, session_id: str, metadata: bytes) -> PeerMetadata:
         """Load a peer's metadata (from its :meth:`metadata`) under ``session_id``.
 
-        Several sessions may name the same remote agent; NIXL forgets that agent only when
-        the last of them is removed.
+        Sessions may share a remote agent; NIXL forgets it when the last one is removed.
 
         Thread-safety: safe from any thread; serialised with other membership changes.
 
@@ -949,20 +794,14 @@ class NixlTransport:
         return meta
 
     def remove_peer(self, session_id: str) -> bool:
-        """Forget a session: from now on writes to it raise :class:`PeerNotFoundError`.
+        """Forget a session: later writes to it raise :class:`PeerNotFoundError`. Returns
+        False if it is unknown. The session id may be added again at once.
 
-        Its live transfers are released, except those NIXL may still move bytes for
-        (posted, neither done nor failed by NIXL: a hung or cut-off peer's): releasing one
-        does not stop it, and over TCP its bytes land once the link heals, so it is *kept*
-        instead -- failed with :class:`PeerNotFoundError` (its ``poll()`` raises that, or
-        the deadline's error it already had), still answering :meth:`Transfer.settled`
-        from NIXL, and released by its owner once settled (or by :meth:`close`). The
-        peer's NIXL remote agent and prepared lists stay loaded until the last kept
-        transfer is released; then they go (the agent only when no other session uses it),
-        at that release or at the next ``add_peer``/``remove_peer``/``close``. The session
-        id may be added again at once.
-
-        Idempotent: returns False if the session is unknown (already removed).
+        Its live transfers are released, except those NIXL still has in progress (releasing
+        does not stop them): those are *kept*, failed with :class:`PeerNotFoundError`, for
+        their owner to release once :meth:`Transfer.settled`. The peer's remote agent and
+        prepared lists stay loaded until the last kept one is released (docs/THREADING.md,
+        "Removed peers").
 
         Thread-safety: safe from any thread; waits for concurrent polls of that peer's
         transfers to return.
@@ -977,7 +816,7 @@ class NixlTransport:
                     return False
                 transfers = list(peer.transfers)
             kept = 0
-            for t in transfers:  # waits for posts in progress to this peer to return
+            for t in transfers:  # waits for posts in progress to this peer
                 if t._keep_if_unsettled(PeerNotFoundError(session_id)):
                     kept += 1
                 else:
@@ -990,8 +829,7 @@ class NixlTransport:
         return True
 
     def _try_reap_retired(self) -> None:
-        """From ``Transfer.release()`` (no lock held): reap now unless a membership change
-        runs, which reaps at its end."""
+        """Reap now unless a membership change runs (it reaps at its end). No lock held."""
         if self._admin_lock.acquire(blocking=False):
             try:
                 self._reap_retired_admin()
@@ -999,9 +837,8 @@ class NixlTransport:
                 self._admin_lock.release()
 
     def _reap_retired_admin(self) -> None:
-        """Drop the removed peers none of whose transfers is live any more: their prepared
-        lists, then their reference to the remote agent (NIXL forgets the agent with the
-        last). Caller holds ``_admin_lock``."""
+        """Drop retired peers and regions no live transfer uses any more. Caller holds
+        ``_admin_lock``."""
         with self._lock:
             done = [p for p in self._retired_peers if not p.transfers]
             used = {t.src_region for t in self._live}
@@ -1014,33 +851,22 @@ class NixlTransport:
             agent = self._agent
         if agent is None:  # closed meanwhile: close() removed everything
             return
-        for region in regions:  # no live transfer reads it any more
+        for region in regions:
             _release_prepped(agent, region.prepped)
-            try:
-                agent.deregister_memory(region.reg_descs, ["UCX"])
-            except Exception as exc:
-                logger.warning("deregistering region %r failed: %s", region.info.name, exc)
+            _deregister(agent, region)
         for peer in done:
             for handle in peer.prepped.values():
                 _release_prepped(agent, handle)
         for name in sorted(last):
-            try:
-                agent.remove_remote_agent(name)
-            except Exception as exc:
-                logger.warning("removing remote agent %r failed: %s", name, exc)
+            _remove_remote_agent(agent, name)
 
     def has_peer(self, session_id: str) -> bool:
-        """True if ``session_id`` is currently added.
-
-        Thread-safety: safe from any thread.
-        """
+        """True if ``session_id`` is currently added. Safe from any thread."""
         with self._lock:
             return session_id in self._peers
 
     def peer_regions(self, session_id: str) -> dict[str, RegionInfo]:
-        """The regions a peer published.
-
-        Thread-safety: safe from any thread.
+        """The regions a peer published. Safe from any thread.
 
         Raises:
             PeerNotFoundError: Unknown session.
@@ -1052,11 +878,8 @@ class NixlTransport:
             return dict(peer.regions)
 
     def peer_disconnected(self, session_id: str) -> bool:
-        """``True`` once NIXL reported the peer of ``session_id`` disconnected (a transfer to
-        it, or a notification, raised ``nixlRemoteDisconnectError``) since it was added,
-        until a later write to it completes (it is reachable again); ``False`` for an
-        unknown session. Its writes and notifications would fail the same
-        way (each with an error line in NIXL's log): the manager skips notices to it.
+        """``True`` once NIXL reported the peer disconnected (``nixlRemoteDisconnectError``),
+        until a later write to it completes; ``False`` for an unknown session.
 
         Thread-safety: safe from any thread; takes no lock (one dict read, one bool read).
         """
@@ -1065,9 +888,7 @@ class NixlTransport:
         return peer is not None and peer.disconnected
 
     def peer_agent_name(self, session_id: str) -> str:
-        """The NIXL agent name of a peer (the key of its messages in :meth:`get_notifs`).
-
-        Thread-safety: safe from any thread.
+        """The NIXL agent name of a peer (its key in :meth:`get_notifs`). Safe from any thread.
 
         Raises:
             PeerNotFoundError: Unknown session.
@@ -1077,8 +898,6 @@ class NixlTransport:
             if peer is None:
                 raise PeerNotFoundError(session_id)
             return peer.agent_name
-
-    # ------------------------------------------------------------------ transfers
 
     def write_pages(
         self,
@@ -1094,37 +913,27 @@ class NixlTransport:
     ) -> Transfer:
         """Post ONE transfer writing local pages ``src_pages[i]`` to remote ``dst_pages[i]``.
 
-        Indices are validated before NIXL is touched (NIXL would wrap an index of 2**32 or
-        more to a small one unchecked). ``src_pages``/``dst_pages`` may be
-        :class:`~sender.pages.CheckedPages` (checked once when built): given both, with a
-        distinct destination, only their bounds are compared with the regions. With
-        ``coalesce`` runs of pages that are consecutive on both sides become one descriptor.
+        Indices are validated before NIXL sees them (NIXL wraps large ones unchecked); two
+        :class:`~sender.pages.CheckedPages` (distinct destination) are only bound-checked.
+        With ``coalesce``, runs consecutive on both sides become one descriptor.
 
-        ``notif`` (if given) reaches the peer's ``get_notifs()`` after the data landed, but
-        NIXL 1.5.1 sends it only from a status check on this side: from the post itself when
-        the write completes inside it, else from the first :meth:`Transfer.poll` (or the
-        check inside :meth:`Transfer.release`) that finds it complete — never from NIXL's
-        progress thread alone. So a pending transfer that nobody polls does not notify even
-        after its data landed, and a transfer already reported as failed (e.g.
-        :class:`TransferTimeoutError`) still sends its notification when it is released, or
-        its peer removed, after the data landed. A per-transfer notification means "these
-        bytes landed", never "the room succeeded" (docs/PROTOCOL.md;
-        tests/sender/test_receiver_lifetime.py pins both behaviours).
+        ``notif`` reaches the peer's ``get_notifs()`` after the data landed, but NIXL 1.5.1
+        sends it only from a status check on this side (the post, a :meth:`Transfer.poll`,
+        the check in :meth:`Transfer.release`) — never from NIXL's progress thread alone;
+        a transfer already failed still notifies once its data landed (docs/PROTOCOL.md, 2.).
 
-        Thread-safety: safe from any thread, concurrently with everything else; a concurrent
-        ``remove_peer``/``close`` either sees and releases this transfer or makes this call
-        raise.
+        Thread-safety: safe from any thread; a concurrent ``remove_peer``/``close`` either
+        sees and releases this transfer or makes this call raise.
 
         Raises:
-            TransportParamError: Bad or out-of-range indices (bool indices included), length
-                mismatch, no pages, duplicate destination pages, unknown region, page sizes
-                differing between the two regions, bad ``notif``/``timeout_s``, or a NIXL
-                parameter error.
-            PeerNotFoundError: Unknown session (also a member of ``TRANSPORT_ERRORS``).
+            TransportParamError: Bad or out-of-range indices (bools included), length
+                mismatch, no pages, duplicate destination pages, unknown region, differing
+                page sizes, bad ``notif``/``timeout_s``, or a NIXL parameter error.
+            PeerNotFoundError: Unknown session (also in ``TRANSPORT_ERRORS``).
             TransportClosedError: The transport is closed.
             TransferFailedError: NIXL answered ``"ERR"`` when posting.
-            Exception: A NIXL transport error (a member of ``TRANSPORT_ERRORS``), e.g.
-                ``nixlRemoteDisconnectError`` for a dead peer.
+            Exception: A NIXL transport error (``TRANSPORT_ERRORS``), e.g.
+                ``nixlRemoteDisconnectError``.
         """
         if notif is not None:
             if not isinstance(notif, bytes):
@@ -1136,12 +945,10 @@ class NixlTransport:
                     "notif must be non-empty (use None for no notification)"
                 )
         if timeout_s is None:
-            timeout = self._default_timeout_s  # validated by __init__
+            timeout = self._default_timeout_s
         else:
             _check_timeout(timeout_s, "timeout_s")
             timeout = float(timeout_s)
-        # Two CheckedPages (destination checked distinct) were checked when built: only
-        # their bounds are compared with the regions below (sender/pages.py).
         src_checked = dst_checked = None
         if (
             type(src_pages) is CheckedPages
@@ -1149,7 +956,7 @@ class NixlTransport:
             and dst_pages.unique
         ):
             src_checked, dst_checked = src_pages, dst_pages
-            src = dst = _NO_PAGES  # int64 arrays are made only on the rare paths needing them
+            src = dst = _NO_PAGES  # int64 arrays made only on the rare paths needing them
             n, n_dst = len(src_pages), len(dst_pages)
         else:
             src = as_pages(src_pages, "src_pages")
@@ -1162,16 +969,14 @@ class NixlTransport:
         if n == 0:
             raise TransportParamError("no pages to write")
 
-        # Look-ups without the lock (a dict read is atomic); all three are checked again
-        # under _lock below, before anything is posted.
+        # Look-ups without the lock (a dict read is atomic); checked again under _lock below.
         if self._closed:
             raise TransportClosedError(f"transport {self._name!r} is closed")
         local = self._regions.get(src_region)
         peer = self._peers.get(session_id)
         remote = None if peer is None else peer.regions.get(dst_region)
         if local is None or peer is None or remote is None:
-            # close() sets _closed before it empties the tables: a look-up that failed
-            # because of a concurrent close() is reported as the close.
+            # close() sets _closed before it empties the tables: report the close.
             if self._closed:
                 raise TransportClosedError(f"transport {self._name!r} is closed")
             if local is None:
@@ -1190,33 +995,33 @@ class NixlTransport:
         if src_checked is not None and dst_checked is not None:
             # mutant-site: write-pages-if-1
             if src_checked.max_page >= li.num_pages or dst_checked.max_page >= remote.num_pages:
-                # A slice may be within range although its parent's bound is not: look.
+                # A slice may be in range although its parent's bound is not: look.
                 src = src_checked.indices.astype(np.int64)
                 dst = dst_checked.indices.astype(np.int64)
                 _check_pages(src, li.num_pages, "src_pages", src_region, unique=False)
                 _check_pages(dst, remote.num_pages, "dst_pages", dst_region, unique=False)
             src_idx, dst_idx = src_checked.indices, dst_checked.indices
         elif n <= _SMALL_WRITE:
-            # Python lists beat numpy's per-call overhead on a few pages, and NIXL takes them
-            # as indices as cheaply as an int32 array (measured: 1.75 vs 1.54 us for 4).
+            # Python lists beat numpy's per-call overhead on a few pages.
             src_list: list[int] = src.tolist()
             dst_list: list[int] = dst.tolist()
             if min(src_list) < 0 or max(src_list) >= li.num_pages:
-                _check_range_list(src_list, li.num_pages, "src_pages", src_region)
+                _check_bounds(min(src_list), max(src_list), li.num_pages, "src_pages", src_region)
             if min(dst_list) < 0 or max(dst_list) >= remote.num_pages:
-                _check_range_list(dst_list, remote.num_pages, "dst_pages", dst_region)
+                _check_bounds(
+                    min(dst_list), max(dst_list), remote.num_pages, "dst_pages", dst_region
+                )
             if n > 1 and len(set(dst_list)) != n:
                 raise TransportParamError("dst_pages contains duplicates")
             src_idx, dst_idx = src_list, dst_list
         else:
-            # Few numpy calls (each costs 1-4 us here, more than the Python around them).
             _check_pages(src, li.num_pages, "src_pages", src_region, unique=False)
             _check_pages(dst, remote.num_pages, "dst_pages", dst_region, unique=True)
 
         local_prepped = local.prepped_id
         remote_prepped = peer.prepped_ids.get(dst_region)
         if local_prepped is not None and remote_prepped is not None:
-            if n > _SMALL_WRITE and src_checked is None:  # in range (checked above)
+            if n > _SMALL_WRITE and src_checked is None:
                 src_idx, dst_idx = src.astype(np.int32), dst.astype(np.int32)
         else:
             local_prepped = remote_prepped = None
@@ -1228,9 +1033,8 @@ class NixlTransport:
         xfer = Transfer(self, ops, peer, src_region, n, li.page_bytes, timeout)
         with xfer._lock:  # fresh lock: nobody else can hold it yet
             with self._lock:
-                # Re-check under the lock: a concurrent remove_peer/close/deregister either
-                # already happened (we raise) or will find this transfer in _live and
-                # release it after we let go of xfer._lock.
+                # A concurrent remove_peer/close/deregister either happened (we raise) or
+                # will find this transfer in _live and release it after xfer._lock.
                 self._check_open()
                 # mutant-site: write-pages-if-2
                 if self._peers.get(session_id) is not peer:
@@ -1242,10 +1046,8 @@ class NixlTransport:
             msg = notif or b""
             try:
                 if local_prepped is not None:
-                    # Prepared once per region/peer; NIXL merges runs of adjacent pages
-                    # unless told not to. The lists stay valid here: remove_peer,
-                    # deregister_region and close release them only after releasing this
-                    # transfer, which waits for us (we hold its lock).
+                    # The prepared lists stay valid: they are released only after this
+                    # transfer, whose lock we hold.
                     handle = ops.makeXferReq(
                         self._write_op, local_prepped, src_idx, remote_prepped, dst_idx,
                         msg, [], not coalesce,
@@ -1262,7 +1064,7 @@ class NixlTransport:
                     )
                 xfer._handle = handle
                 status = ops.postXferReq(handle, msg)
-                done = status == _NIXL_DONE  # binding enums: each comparison ~0.35 us
+                done = status == _NIXL_DONE
                 if not done and status != _NIXL_PROC:
                     raise TransferFailedError(
                         f"NIXL answered {status!r} posting a write to {session_id!r}"
@@ -1274,9 +1076,9 @@ class NixlTransport:
                     raise param from exc
                 raise
             xfer._done = done
-            if done and peer.disconnected:  # it completed: the peer is reachable again
+            if done and peer.disconnected:  # reachable again
                 peer.disconnected = False
-            with self._lock:  # one round trip for both counters
+            with self._lock:
                 self._n_started += 1
                 if done:
                     self._n_done += 1
@@ -1301,9 +1103,7 @@ class NixlTransport:
                 self._n_failed += 1
 
     def send_notif(self, session_id: str, message: bytes) -> None:
-        """Send a standalone NIXL notification (not bound to a transfer) to a peer.
-
-        Thread-safety: safe from any thread.
+        """Send a standalone NIXL notification to a peer. Safe from any thread.
 
         Raises:
             TransportParamError: ``message`` is not non-empty bytes.
@@ -1332,9 +1132,7 @@ class NixlTransport:
     def get_notifs(self) -> dict[str, list[bytes]]:
         """New notifications since the last call: remote agent name -> messages, in order.
 
-        Each message is returned once (to whichever thread calls first).
-
-        Thread-safety: safe from any thread.
+        Thread-safety: safe from any thread; each message goes to one caller.
 
         Raises:
             TransportClosedError: The transport is closed.
@@ -1351,18 +1149,12 @@ class NixlTransport:
         return {str(k): [bytes(m) for m in v] for k, v in notifs.items() if v}
 
     def live_transfers(self) -> list[Transfer]:
-        """Snapshot of the transfers not yet released.
-
-        Thread-safety: safe from any thread.
-        """
+        """Snapshot of the transfers not yet released. Safe from any thread."""
         with self._lock:
             return list(self._live)
 
     def stats(self) -> TransportStats:
-        """Snapshot of the counters.
-
-        Thread-safety: safe from any thread; the fields are mutually consistent.
-        """
+        """Snapshot of the counters, mutually consistent. Safe from any thread."""
         with self._lock:
             return TransportStats(
                 transfers_started=self._n_started,
@@ -1377,27 +1169,15 @@ class NixlTransport:
                 transfers_kept_at_removal=self._n_kept,
             )
 
-    # ------------------------------------------------------------------ close
-
     def close(self) -> None:
         """Release every live transfer, remove every peer, deregister every region and drop
-        the NIXL agent (its progress thread stops when the agent is destroyed).
+        the NIXL agent. Idempotent; afterwards most methods raise
+        :class:`TransportClosedError`.
 
-        Memory of regions retired by :meth:`deregister_region` is released last, about
-        0.25 s after the agent was dropped (a same-host sender may land a write ~1 ms after
-        close; docs/PROTOCOL.md), so close() then takes that long. Live regions' memory is
-        the caller's again when close() returns.
-
-        Idempotent. Afterwards ``write_pages``/``add_peer``/``metadata``/``get_notifs``
-        raise :class:`TransportClosedError`; polls of released transfers raise
-        :class:`TransferReleasedError`.
-
-        Notifications sent shortly before: a ``send_notif`` only queues its message in UCX,
-        which sends it as the agent is progressed. When one was sent less than 0.25 s before,
-        close first progresses the agent (``get_new_notifs`` every 1 ms; notifications that
-        arrive then are dropped) until 0.25 s after it, so that the queued ones leave rather
-        than being canceled (UCX would print "AM send failed ... Request canceled" on stderr,
-        and the peer would never get them). Best effort, bounded by those 0.25 s.
+        Retired regions' memory is freed ~0.25 s after the agent goes (docs/PROTOCOL.md,
+        1.). After a recent ``send_notif``, the agent is first progressed (incoming
+        notifications dropped) for up to 0.25 s so that queued notifications leave rather
+        than being canceled (best effort).
 
         Thread-safety: safe from any thread; waits for in-flight polls/posts to return.
 
@@ -1422,7 +1202,7 @@ class NixlTransport:
                 _flush_notifs(agent, last_notif + _NOTIF_FLUSH_S)
             for t in transfers:
                 t.release()
-            for handle in prepped:  # no post is in progress any more (released above)
+            for handle in prepped:  # no post in progress any more (released above)
                 _release_prepped(agent, handle)
             with self._lock:
                 refused, self._refused_handles = self._refused_handles, []
@@ -1432,18 +1212,12 @@ class NixlTransport:
                 except Exception as exc:
                     logger.error("NIXL refused again to release a transfer handle: %s", exc)
                     leaked = getattr(agent, "_leaked_xfer_handles", None)
-                    if isinstance(leaked, list):  # the wrapper frees these when it is destroyed
+                    if isinstance(leaked, list):  # the wrapper frees these when destroyed
                         leaked.append(handle)
             for remote in remote_agents:
-                try:
-                    agent.remove_remote_agent(remote)
-                except Exception as exc:
-                    logger.warning("removing remote agent %r failed: %s", remote, exc)
+                _remove_remote_agent(agent, remote)
             for region in regions:
-                try:
-                    agent.deregister_memory(region.reg_descs, ["UCX"])
-                except Exception as exc:
-                    logger.warning("deregistering region %r failed: %s", region.info.name, exc)
+                _deregister(agent, region)
             with self._lock:
                 self._peers.clear()
                 self._retired_peers.clear()
@@ -1453,21 +1227,16 @@ class NixlTransport:
                 self._agent = None
                 self._xfer_agent = None  # the binding agent must go with the wrapper
                 retired, self._retired = self._retired, []
-        # Drop the binding agent now, so that a stray reference to the wrapper (a traceback
-        # frame, a test local) cannot keep its progress thread alive. When a release failed
-        # the wrapper keeps the handle for its own cleanup in __del__, which needs the agent.
+        # Drop the binding agent now, so a stray reference to the wrapper cannot keep its
+        # progress thread alive; unless the wrapper's __del__ needs it for leaked handles.
         if not getattr(agent, "_leaked_xfer_handles", None):
             agent.agent = None
             if retired:
-                # The agent is gone: over TCP nothing can land any more, but a same-host
-                # sender writes by CMA until it notices the disconnect (measured: ~1 ms).
-                time.sleep(_RETIRED_GRACE_S)
+                time.sleep(_RETIRED_GRACE_S)  # a same-host CMA write may still land
         elif retired:
-            # The wrapper keeps the agent alive for its own cleanup: tie the memory to it.
+            # The wrapper keeps the agent alive: tie the memory to it.
             agent.nixl_staging_retired_memory = [r.memory for r in retired]
-        del retired  # the retired regions' memory is freed here (unless tied to the agent)
-
-    # ------------------------------------------------------------------ callbacks
+        del retired  # frees the retired regions' memory (unless tied to the agent)
 
     def _check_open(self) -> None:
         """Caller holds ``_lock``."""
@@ -1498,16 +1267,13 @@ class NixlTransport:
                 self._n_failed += 1
 
 
-# --------------------------------------------------------------------------- helpers
-
-
 def _memory_of(name: str, mem: torch.Tensor | npt.NDArray[Any]) -> tuple[int, int, str, int]:
     """(base address, nbytes, NIXL mem type, device id) of a contiguous tensor or array."""
     if isinstance(mem, np.ndarray):
         if not mem.flags.c_contiguous:
             raise TransportParamError(f"region {name!r}: array must be C-contiguous")
         return int(mem.ctypes.data), int(mem.nbytes), "DRAM", 0
-    torch_mod = sys.modules.get("torch")  # a tensor can only exist if torch is imported
+    torch_mod = sys.modules.get("torch")  # no torch imported: no tensor
     if torch_mod is None or not isinstance(mem, torch_mod.Tensor):
         raise TransportParamError(
             f"region {name!r}: expected a torch.Tensor or numpy array, got {type(mem).__name__}"
@@ -1523,9 +1289,8 @@ def _memory_of(name: str, mem: torch.Tensor | npt.NDArray[Any]) -> tuple[int, in
 
 
 def _flush_notifs(agent: Any, until: float) -> None:
-    """Progress ``agent`` (``get_new_notifs``, received messages dropped) every
-    :data:`_NOTIF_FLUSH_POLL_S` until monotonic time ``until``, so that notifications it
-    queued are sent before it is torn down. Raises: nothing (a NIXL error ends it, logged)."""
+    """Progress ``agent`` (``get_new_notifs``, messages dropped) until monotonic ``until``,
+    so its queued notifications leave. Never raises (a NIXL error ends it, logged)."""
     while time.monotonic() < until:
         try:
             agent.get_new_notifs()
@@ -1536,8 +1301,7 @@ def _flush_notifs(agent: Any, until: float) -> None:
 
 
 def _check_timeout(value: float, what: str) -> None:
-    """A deadline in seconds: a number > 0, ``inf`` for none; not NaN, not a huge int.
-    Raises TransportParamError."""
+    """A deadline: a number > 0 or ``inf``. Raises TransportParamError."""
     try:
         check_seconds(value, what, allow_inf=True)
     except (TypeError, ValueError) as exc:
@@ -1545,21 +1309,16 @@ def _check_timeout(value: float, what: str) -> None:
 
 
 POLL_SPIN_S = 1e-3
-"""For this long after the first poll, polls follow each other with only a ``sched_yield``
-between them (no sleep: a sleep costs 30-130 us here even for 0 s): a write of up to a few
-MiB completes within it and is seen done at once, as raw NIXL's busy poll sees it."""
+"""For this long after the first poll, polls are separated only by a ``sched_yield``."""
 POLL_PAUSE_MIN_S = 20e-6
 POLL_PAUSE_MAX_S = 1e-3
 POLL_PAUSE_FRACTION = 1 / 16
-"""After the spin, each pause is this fraction of the time polled so far (clamped to
-:data:`POLL_PAUSE_MIN_S`..:data:`POLL_PAUSE_MAX_S`): a write is seen done at most ~6 %
-(plus one sleep's overshoot) after it completed, and a long one costs one poll per ms."""
+"""After the spin, each pause is this fraction of the time polled so far (clamped)."""
 
 
 def poll_pauses(spin_s: float = POLL_SPIN_S) -> Iterator[float]:
-    """Pauses between polls of one transfer: ``0.0`` (poll again at once, see
-    :func:`pause_between_polls`) for ``spin_s``, then pauses of
-    :data:`POLL_PAUSE_FRACTION` of the time elapsed since the first pause, clamped to
+    """Pauses between polls of one transfer: ``0.0`` for ``spin_s``, then
+    :data:`POLL_PAUSE_FRACTION` of the time elapsed, clamped to
     :data:`POLL_PAUSE_MIN_S`..:data:`POLL_PAUSE_MAX_S`."""
     start = time.monotonic()
     spin_until = start + spin_s
@@ -1572,8 +1331,8 @@ def poll_pauses(spin_s: float = POLL_SPIN_S) -> Iterator[float]:
 
 
 def pause_between_polls(pause_s: float) -> None:
-    """Sleep ``pause_s``; for ``0`` only yield the CPU and the GIL (``os.sched_yield``):
-    ``time.sleep(0)`` costs 30-90 us on these VMs, longer than a 1 MiB write."""
+    """Sleep ``pause_s``; for ``0`` only ``os.sched_yield`` (``time.sleep(0)`` is slower
+    than a 1 MiB write)."""
     if pause_s > 0:
         time.sleep(bounded_wait(pause_s))
     else:
@@ -1585,9 +1344,8 @@ _MAX_PREPPED_PAGES = 1 << 22
 
 
 def _prep_pages(agent: Any, agent_name: str, info: RegionInfo, what: str) -> Any:
-    """A NIXL prepared descriptor list of ``info``'s pages (one descriptor per page, in page
-    order), for ``make_prepped_xfer`` by page index; ``None`` when NIXL cannot prepare it
-    (the transport then builds descriptors per write). Never raises."""
+    """A NIXL prepared list of ``info``'s pages, one descriptor per page; ``None`` when NIXL
+    cannot prepare it (descriptors are then built per write). Never raises."""
     if info.num_pages > _MAX_PREPPED_PAGES:
         return None
     rows = _descs(
@@ -1614,6 +1372,22 @@ def _release_prepped(agent: Any, handle: Any) -> None:
         logger.warning("releasing a prepared descriptor list failed: %s", exc)
 
 
+def _deregister(agent: Any, region: _LocalRegion) -> None:
+    """Deregister ``region``'s memory from NIXL. Never raises (a failure is logged)."""
+    try:
+        agent.deregister_memory(region.reg_descs, ["UCX"])
+    except Exception as exc:
+        logger.warning("deregistering region %r failed: %s", region.info.name, exc)
+
+
+def _remove_remote_agent(agent: Any, name: str) -> None:
+    """Make NIXL forget remote agent ``name``. Never raises (a failure is logged)."""
+    try:
+        agent.remove_remote_agent(name)
+    except Exception as exc:
+        logger.warning("removing remote agent %r failed: %s", name, exc)
+
+
 def _rows_for(
     li: RegionInfo,
     remote: RegionInfo,
@@ -1621,13 +1395,12 @@ def _rows_for(
     dst: npt.NDArray[np.int64],
     coalesce: bool,
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    """Descriptor rows of one write (the unprepared path): with ``coalesce``, runs of
-    pages consecutive on both sides become one descriptor."""
+    """Descriptor rows of one unprepared write; ``coalesce`` merges runs consecutive on
+    both sides."""
     n = int(src.shape[0])
     runs = (src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1) if coalesce and n > 1 else None
     if runs is not None and not bool(runs.any()):
-        # One run on both sides: a single descriptor each.
-        return (
+        return (  # one run: a single descriptor each
             _descs(li.base_addr, li.page_bytes, src[:1], n, li.device_id),
             _descs(remote.base_addr, remote.page_bytes, dst[:1], n, remote.device_id),
         )
@@ -1648,10 +1421,6 @@ _SMALL_WRITE = 16
 """Writes of at most this many pages are validated with Python lists (cheaper)."""
 
 
-def _check_range_list(values: list[int], num_pages: int, what: str, region: str) -> None:
-    _check_bounds(min(values), max(values), num_pages, what, region)
-
-
 def _check_bounds(lo: int, hi: int, num_pages: int, what: str, region: str) -> None:
     if lo < 0 or hi >= num_pages:
         bad = lo if lo < 0 else hi
@@ -1666,9 +1435,8 @@ _NO_PAGES: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
 def _check_pages(
     pages: npt.NDArray[np.int64], num_pages: int, what: str, region: str, *, unique: bool
 ) -> None:
-    """Raise :class:`TransportParamError` unless every index of ``pages`` (1-D int64, more
-    than a few) is in ``range(num_pages)`` and, with ``unique``, no index repeats (the
-    scan is :func:`sender.pages.scan_pages`, shared with :class:`CheckedPages`)."""
+    """Raise :class:`TransportParamError` unless every page is in ``range(num_pages)`` and,
+    with ``unique``, none repeats."""
     lo, hi, repeats = scan_pages(pages, unique=unique)
     if lo < 0 or hi >= num_pages:
         _check_bounds(lo, hi, num_pages, what, region)
@@ -1689,16 +1457,14 @@ def _mem_seg(bindings: Any, mem_type: str) -> Any:
 
 
 AGENT_ATTEMPTS = 3
-"""Attempts at creating an agent's UCX backend when an attempt saw the network interfaces
-change (the transient cause; see :func:`_make_agent`). A failure with no change seen is
-retried once (a change can come and go between two looks) and then reported."""
+"""Attempts at creating an agent's UCX backend while attempts see the network interfaces
+change (:func:`_make_agent`); a failure with no change seen is retried once."""
 AGENT_RETRY_PAUSE_S = 0.05
-"""Pause before attempt ``n + 1`` is ``n`` times this (a torn-down device is gone by then)."""
+"""Pause before attempt ``n + 1`` is ``n`` times this."""
 
 
 def _net_interfaces() -> frozenset[tuple[int, str]]:
-    """The network interfaces of this process's namespace, as ``(index, name)`` pairs (a
-    device that is removed and made again gets a new index). Empty where unknown."""
+    """This namespace's network interfaces as ``(index, name)``; empty where unknown."""
     try:
         return frozenset(socket.if_nameindex())
     except OSError:
@@ -1719,30 +1485,12 @@ def _ucx_env() -> str:
 
 
 def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
-    """Build the wrapper agent around a binding agent whose progress thread sleeps, and
-    create its UCX backend.
-
-    Why creating the backend can fail under load (reproduced: 4 processes creating agents
-    beside two concurrent two-host stress runs and 3 CPU hogs; 1 of 120 failed, always
-    right after a veth of the other runs was deleted): ``createBackend`` makes a UCX context
-    over every network device UCX finds (``UCX_NET_DEVICES`` unset means all of them),
-    then connects the agent to itself (NIXL's "intra-agent transfer setup") over the device
-    it ranks best, a veth rather than ``lo``. When that device vanishes in between, UCX logs
-    "failed to get interface index ... No such device" and ``connect(...) failed:
-    Connection refused``, and NIXL raises a bare ``nixlBackendError``. A busy machine makes
-    the window between the two steps long. So an attempt that fails with
-    ``nixlBackendError`` is retried (new binding agent, same name, up to
-    :data:`AGENT_ATTEMPTS`) while the set of network interfaces changed during it; a
-    failure without such a change is retried once, then reported: the caller gets
-    :class:`AgentSetupError` naming every attempt, the interfaces that changed, and the UCX
-    environment — never a bare backend error. Agents confined to one device
-    (``UCX_NET_DEVICES=lo``, as the tests and the stress suite run them) are not exposed.
-
-    Raises:
-        AgentSetupError: No UCX plugin, or the backend could not be created (see above).
-    """
+    """The wrapper agent around a binding agent whose progress thread sleeps, with its UCX
+    backend. ``createBackend`` fails (bare ``nixlBackendError``) when a device UCX found
+    vanishes meanwhile: retried while the interfaces change, else once.
+    Raises AgentSetupError (naming the attempts, interface changes and UCX environment)."""
     strict = _nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-    # The wrapper's own binding agent: no progress thread, no backend -> cheap, inert.
+    # The wrapper's own binding agent (no progress thread, no backend) is replaced below.
     wrapper = _nixl.nixl_agent(
         name,
         _nixl.nixl_agent_config(

@@ -1,10 +1,7 @@
-"""The one rule the compat contexts share about their live views: each view attribute is
-assigned once (in ``__init__``) and never rebound or deleted.
+"""``FixedViews``: a compat context's view attributes are assigned once, in ``__init__``.
 
-Engine code that used plain collections rebinds them (``ctx.s = {k for k in ctx.s if ...}``),
-which would replace the locked view with an unlocked copy that the other threads never see.
-:class:`FixedViews` refuses that with a ``TypeError`` naming the context's own way to do it,
-and lets ``view |= {...}`` (which stores the same view back) through.
+Rebinding one (``ctx.s = {k for k in ctx.s if ...}``) would swap the locked view for an
+unlocked copy, so it raises ``TypeError``; ``view |= {...}`` (same view stored back) passes.
 """
 
 from __future__ import annotations
@@ -15,11 +12,8 @@ __all__ = ["FixedViews"]
 
 
 class FixedViews:
-    """Base of a context whose attributes named in ``VIEW_NAMES`` are live views.
-
-    Subclasses set ``VIEW_NAMES`` and ``REBIND_HINT`` (appended to the rebind error: what to
-    call instead). Not thread-safe by itself; an attribute assignment touches no lock.
-    """
+    """Base of a context whose ``VIEW_NAMES`` attributes are live views; ``REBIND_HINT``
+    ends the rebind error. An attribute assignment touches no lock."""
 
     __slots__ = ()  # a subclass with __slots__ keeps instances without a __dict__
 

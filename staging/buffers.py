@@ -1,15 +1,10 @@
 """``StagingBufferPool``: fixed staging slots carved from one tensor.
 
-A chunk of KV pages bound for one decode peer is *gathered* into a slot (for a decode TP
-rank, only that rank's slice of each page: ``index_select`` of the pages, ``narrow`` to the
-slice, one copy), so that the transport moves it with one bulk transfer from contiguous
-memory. The slot returns to the pool when that transfer has ended (done, failed, timed out or
-released), never while a posted transfer may still read it, even if its room was purged.
-
-The pool's one tensor is registered with the transport once (``region``/``page_bytes``), so
-slots need no per-use registration. A slot is leased to an *owner* (a room handle, or any
-hashable) and every lease has a unique id: releasing a lease twice, or releasing a lease
-whose slot was since re-leased to someone else, does nothing.
+A chunk bound for one decode peer is gathered into a slot, so the transport moves it in
+one bulk transfer from memory registered once. A slot is leased to an owner, each lease
+with its own id (a stale or repeated release does nothing), and returns to the pool only
+when its transfer has ended. One POOL lock guards the free list, leases and indexes; see
+docs/THREADING.md, 'The staging slot pool'.
 """
 
 from __future__ import annotations
@@ -67,7 +62,7 @@ class StagingSlot:
     first_page: int
     slot_pages: int
     group: Hashable = None
-    """The lease's group (the sender's: its decode session), capped by ``group_cap``."""
+    """The lease's group (the sender's decode session), capped by ``group_cap``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,12 +92,8 @@ class StagingBufferPool:
         device: torch device of the buffer (``"cpu"`` here; ``"cuda"`` where a GPU exists).
         lock: ``"mutex"`` (default) or ``"rw"``; the lock has level ``LockLevel.POOL``.
         debug: lock debug mode (``None`` reads env ``NIXL_STAGING_DEBUG_LOCKS``).
-        spare_slots: slots beyond ``num_slots`` (>= 0, default 0), in the same tensor, that
-            stand in for *retired* ones (:meth:`retire`): a lease whose memory must not be
-            reused yet (a removed peer's write that NIXL may still read) stops counting
-            against the pool, and a spare takes its place, so the pool keeps ``num_slots``
-            usable slots. Without a spare the pool is one slot short until the retired
-            lease is released. Costs ``spare_slots * slot_pages * page_bytes`` bytes.
+        spare_slots: extra slots (>= 0) in the same tensor that stand in for *retired*
+            ones (:meth:`retire`), so the pool keeps ``num_slots`` usable slots.
 
     Raises:
         TypeError, ValueError: a size that is not an ``int`` >= 1 (``spare_slots``: >= 0).
@@ -137,16 +128,11 @@ class StagingBufferPool:
             device=device,
         )
         self._lock = make_lock(lock, "staging-pool", LockLevel.POOL, debug=debug)
-        # Signalled (under _cond's own mutex) whenever a slot is freed or the pool closes.
-        # Waiters never hold _lock while waiting.
+        # Notified when a slot is freed or the pool closes; waiters never hold _lock.
         self._cond = threading.Condition(threading.Lock())
         # --- Guarded by _lock; mutate only under write(). ---
-        # _free: indices of free slots. _leases: slot index -> its live StagingSlot.
-        # _by_owner: owner -> set of slot indices leased to it (no empty sets stored).
-        # _by_group: group -> slots leased to it (leases with a group only; no zeros).
-        # _retired: slot index -> a retired lease (not reused until released, counted in no
-        # owner or group). _spare: indices standing in for retired ones. _short: retired
-        # leases no spare stood in for (the pool is that many slots short).
+        # _by_owner / _by_group store no empty sets / zeros. _retired: leases not reused
+        # until released; _spare: stand-ins for them; _short: retired with no stand-in.
         # Invariants: set(_leases), _free, set(_retired) and _spare partition
         # range(num_slots + spare_slots); len(_leases) + len(_free) + _short == num_slots.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -161,8 +147,6 @@ class StagingBufferPool:
         self._acquired = 0
         self._released = 0
         self._exhausted = 0
-
-    # ------------------------------------------------------------------ properties
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -191,14 +175,10 @@ class StagingBufferPool:
     def try_acquire(
         self, owner: Hashable, *, group: Hashable = None, group_cap: int | None = None
     ) -> StagingSlot | None:
-        """Lease a free slot to ``owner`` now, or ``None``. Thread-safe; write lock; no wait.
+        """Lease a free slot to ``owner`` now, or ``None`` (also when ``group`` already
+        holds ``group_cap`` slots). Thread-safe; write lock; no wait.
 
-        With a ``group`` (not ``None``) and a ``group_cap``, ``None`` also when the group
-        already holds ``group_cap`` slots: no group can lease more than its cap, so the
-        other groups keep the rest of the pool (the sender caps each decode session).
-
-        Raises:
-            PoolClosedError: the pool is closed.
+        Raises: PoolClosedError (the pool is closed).
         """
         with self._lock.write():
             if self._closed:
@@ -230,15 +210,10 @@ class StagingBufferPool:
         group: Hashable = None,
         group_cap: int | None = None,
     ) -> StagingSlot:
-        """Lease a slot to ``owner``, waiting up to ``timeout`` s for one to be freed (and,
-        with ``group``/``group_cap``, for the group to be under its cap: see
-        :meth:`try_acquire`).
-
-        ``timeout=None`` (or ``inf``) waits until a slot is freed or the pool closes. Every
-        wait is bounded by ``threading.TIMEOUT_MAX``. With ``on_wake``, the wait is cut into
-        pieces of at most ``wake_s`` and ``on_wake()`` is called between them, holding no
-        lock (the sender sweeps its hung chunks there: they may hold the slots it waits
-        for); what it raises propagates. Thread-safe; the wait holds no lock of the model.
+        """Lease a slot to ``owner``, waiting up to ``timeout`` s (``None``: until a slot is
+        freed or the pool closes) as :meth:`try_acquire` allows. With ``on_wake``, it is
+        called every ``wake_s`` of waiting, holding no lock; what it raises propagates.
+        Thread-safe; the wait holds no lock of the model.
 
         Raises:
             PoolExhaustedError: no slot was freed in time.
@@ -266,14 +241,9 @@ class StagingBufferPool:
                 on_wake()
 
     def retire(self, slot: StagingSlot) -> bool:
-        """Stop counting a live lease against the pool, its owner and its group, without
-        freeing its memory: the slot is not reused until the lease is released (a removed
-        peer's write that NIXL may still read from it). A spare slot, if any is left, takes
-        its place among the free ones at once; otherwise the pool is one slot short until
-        the release. ``True`` if the lease was live and not yet retired.
-
-        Thread-safe; write lock.
-        """
+        """Stop counting a live lease against the pool, owner and group without freeing
+        its memory until release; a spare, if left, takes its place. ``True`` if the lease
+        was live. Thread-safe; write lock."""
         with self._lock.write():
             live = self._leases.get(slot.index)
             if live is None or live.lease != slot.lease:
@@ -283,11 +253,8 @@ class StagingBufferPool:
         return True
 
     def release(self, slot: StagingSlot) -> bool:
-        """Return a lease (live or retired). ``True`` if it was live; a stale or repeated
-        release does nothing.
-
-        Thread-safe; write lock.
-        """
+        """Return a lease (live or retired); ``True`` if it was. A stale or repeated release
+        does nothing. Thread-safe; write lock."""
         with self._lock.write():
             retired = self._retired.get(slot.index)
             # mutant-site: release
@@ -307,10 +274,7 @@ class StagingBufferPool:
         return bool(freed)
 
     def release_owner(self, owner: Hashable) -> int:
-        """Return every slot leased to ``owner`` (a purged room); the number freed.
-
-        Thread-safe; write lock; atomic.
-        """
+        """Return every slot leased to ``owner``; the number freed. Thread-safe; atomic."""
         with self._lock.write():
             indices = self._by_owner.get(owner)
             freed = 0
@@ -321,9 +285,8 @@ class StagingBufferPool:
         return freed
 
     def note_exhausted(self) -> None:
-        """Count one exhaustion that a caller waiting outside :meth:`acquire` saw (the
-        sender's workers retry :meth:`try_acquire` instead of waiting): ``stats().exhausted``
-        counts every wait that gave up. Thread-safe; write lock."""
+        """Count one exhaustion seen by a caller retrying :meth:`try_acquire` outside
+        :meth:`acquire`. Thread-safe; write lock."""
         with self._lock.write():
             self._exhausted += 1
 
@@ -363,8 +326,6 @@ class StagingBufferPool:
                 spare=len(self._spare),
             )
 
-    # ------------------------------------------------------------------ gathering
-
     def gather(
         self,
         slot: StagingSlot,
@@ -372,16 +333,13 @@ class StagingBufferPool:
         pages: Sequence[int] | torch.Tensor | npt.NDArray[np.integer[Any]],
         byte_range: tuple[int, int] | None = None,
     ) -> int:
-        """Copy ``source[pages]`` (only bytes ``[start, start+length)`` of each page when
-        ``byte_range=(start, length)`` is given, e.g. a decode TP rank's heads) into the slot.
-
-        Returns the number of pages staged. The caller must hold the lease. Thread-safe for
-        distinct slots (no lock; one ``index_select`` and one copy).
+        """Copy ``source[pages]`` (with ``byte_range=(start, length)``, only those bytes of
+        each page) into the slot; return the number of pages. The caller holds the lease.
+        Thread-safe for distinct slots (no lock).
 
         Raises:
-            ValueError: too many pages for a slot, a staged page size that does not match the
-                pool's ``page_bytes``, a byte range outside the page, or a page index out of
-                range.
+            ValueError: too many pages, page size not ``page_bytes``, or out-of-range bytes
+                or page index.
             TypeError: ``source`` is not a 2-D uint8 tensor.
         """
         if source.dim() != 2 or source.dtype != torch.uint8:

@@ -1,34 +1,11 @@
-"""``DecodeCompatContext``: the decode side's two per-room dicts, under one lock.
+"""``DecodeCompatContext``: SGLang's decode-side ``room_bootstrap`` and ``room_receivers``
+dicts as live :class:`collections.abc.MutableMapping` views on ONE plain lock.
 
-SGLang's decode staging state is two plain dicts keyed by bootstrap room id,
-``room_bootstrap`` (room -> the prefill peers' bootstrap infos) and ``room_receivers``
-(room -> the request's receiver). The decode scheduler writes both (one ``d[room] = v``
-each) and pops both (one ``d.pop(room, None)`` each); the decode thread that receives the
-prefill side's staging requests reads them (``d.get(room)``). This module keeps that shape:
-
-* ``ctx.room_bootstrap`` and ``ctx.room_receivers`` are live
-  :class:`collections.abc.MutableMapping` views on **one** lock. Every single operation
-  (``get``, ``pop``, ``setdefault``, ``d[k] = v``, ``del d[k]``, ``in``, ``len``, ``update``,
-  ``clear``, ``popitem``) is one critical section; iteration, ``keys()``, ``values()``,
-  ``items()``, ``copy()`` and ``==`` work on one snapshot taken under the lock, so
-  "dictionary changed size during iteration" cannot happen.
-* The compound operations a per-room pair needs, each one critical section over *both*
-  dicts: :meth:`DecodeCompatContext.register_room` (both entries at one instant),
-  :meth:`DecodeCompatContext.room_entry` (both values at one instant) and
-  :meth:`DecodeCompatContext.purge_room` (both entries removed at one instant: a reader
-  sees both or neither).
-* Rebinding or deleting either attribute raises :class:`TypeError` (the view is the state;
-  a rebound dict would split it).
-* Keys are whatever the engine uses (SGLang: ``int`` room ids); an unhashable key raises
-  ``TypeError`` as with a dict, *before* the lock is taken. Hashing of the key runs under
-  the lock: keys must be plain values (``int``, ``str``, tuples of them) whose ``__hash__``
-  and ``__eq__`` do not call back into the context.
-* Nothing is called out while the lock is held: a value a write replaces or removes is
-  released after the lock is (so that a finaliser that touches the context cannot
-  deadlock).
-
-Only the standard library is used (no torch, numpy or nixl). Thread-safety contract: each
-method's docstring.
+Each view operation is one critical section; iteration, ``keys()``, ``items()`` and ``==``
+use one snapshot. ``register_room``, ``room_entry`` and ``purge_room`` cover both dicts at
+one instant. Keys are hashed under the lock, so they must be plain values; nothing is
+called out under it (a replaced value is released after it). Standard library only.
+See docs/THREADING.md, '``DecodeCompatContext``'.
 """
 
 from __future__ import annotations
@@ -48,21 +25,15 @@ RoomEntry = tuple[Any, Any]
 
 
 def _hashable(key: object) -> Hashable:
-    """``key`` if it can be a dict key. Runs before the lock is taken.
-
-    Raises:
-        TypeError: ``key`` is unhashable.
-    """
+    """``key``, checked hashable before the lock. Raises: TypeError."""
     hash(key)
     return key
 
 
 class LockedDictView(MutableMapping[Any, Any]):
-    """One of the context's dicts, every operation under the context's lock.
+    """One of the context's dicts; ``_data`` is guarded by the shared ``_lock``.
 
-    Thread-safety: every method is thread-safe; each is one critical section (the ones
-    that return many entries return a snapshot). Not reentrant: nothing is called out
-    under the lock.
+    Thread-safe: each method is one critical section (many-entry reads return a snapshot).
     """
 
     __slots__ = ("_data", "_lock", "_name")
@@ -71,8 +42,6 @@ class LockedDictView(MutableMapping[Any, Any]):
         self._name: Final = name
         self._lock: Final = lock
         self._data: Final = data  # guarded by `_lock`
-
-    # ------------------------------------------------------------------ single operations
 
     def __getitem__(self, key: object) -> Any:
         """Raises: KeyError: absent; TypeError: unhashable key."""
@@ -114,9 +83,7 @@ class LockedDictView(MutableMapping[Any, Any]):
     def pop(self, key: object, default: Any = _MISSING) -> Any:
         """Remove and return the value; ``default`` if absent and given.
 
-        Raises:
-            KeyError: absent and no ``default``.
-            TypeError: unhashable key.
+        Raises: KeyError: absent and no ``default``; TypeError: unhashable key.
         """
         k = _hashable(key)
         with self._lock:
@@ -128,10 +95,7 @@ class LockedDictView(MutableMapping[Any, Any]):
         return value
 
     def setdefault(self, key: object, default: Any = None) -> Any:
-        """The value, inserting ``default`` first if absent (one critical section).
-
-        Raises: TypeError: unhashable key.
-        """
+        """The value, inserting ``default`` first if absent. Raises: TypeError: unhashable key."""
         k = _hashable(key)
         with self._lock:
             return self._data.setdefault(k, default)
@@ -144,14 +108,14 @@ class LockedDictView(MutableMapping[Any, Any]):
             return self._data.popitem()
 
     def clear(self) -> None:
-        """Remove every entry (one critical section; values released after it)."""
+        """Remove every entry (values released after the lock)."""
         with self._lock:
             old = dict(self._data)
             self._data.clear()
         del old
 
     def update(self, other: Any = (), /, **kwargs: Any) -> None:
-        """Insert many entries in one critical section (the input is read first).
+        """Insert many entries in one critical section (input read first).
 
         Raises: TypeError: an unhashable key, or ``other`` is not a mapping or pairs.
         """
@@ -167,8 +131,6 @@ class LockedDictView(MutableMapping[Any, Any]):
         with self._lock:
             return len(self._data)
 
-    # ------------------------------------------------------------------ snapshots
-
     def snapshot(self) -> dict[Any, Any]:
         """A copy of the dict, taken in one critical section."""
         with self._lock:
@@ -179,7 +141,7 @@ class LockedDictView(MutableMapping[Any, Any]):
         return self.snapshot()
 
     def __iter__(self) -> Iterator[Any]:
-        """Over a snapshot of the keys: never "changed size during iteration"."""
+        """Over a snapshot of the keys."""
         with self._lock:
             keys = list(self._data)
         return iter(keys)
@@ -195,7 +157,7 @@ class LockedDictView(MutableMapping[Any, Any]):
             return list(self._data.values())
 
     def items(self) -> list[tuple[Any, Any]]:  # type: ignore[override]
-        """A snapshot of the entries (consistent: one critical section)."""
+        """A snapshot of the entries."""
         with self._lock:
             return list(self._data.items())
 
@@ -214,19 +176,13 @@ class LockedDictView(MutableMapping[Any, Any]):
 
 
 class DecodeCompatContext(FixedViews):
-    """The decode staging context: ``room_bootstrap`` and ``room_receivers`` as live views
-    on one lock, plus the per-room compound operations (module docstring).
+    """``room_bootstrap`` and ``room_receivers`` as live views on one lock (``_lock``
+    guards both dicts), plus the per-room compound operations. Rebinding or deleting a view
+    raises :class:`TypeError`. A dataclass subclass calls
+    ``DecodeCompatContext.__init__(self)`` from its ``__post_init__``.
 
-    A subclass may be a dataclass (an engine's own decode staging dataclass with the two
-    dict fields dropped): its ``__post_init__`` must call
-    ``DecodeCompatContext.__init__(self)``; until then the views do not exist. Other
-    attributes (SGLang's ``allocator``) are plain attributes.
-
-    Rebinding or deleting ``room_bootstrap``/``room_receivers`` raises :class:`TypeError`.
-
-    Thread-safety: every method is thread-safe; the lock is a plain ``threading.Lock``
-    (made when the context is, so a deterministic scheduler that patches the lock factory
-    sees it). Not reentrant.
+    Thread-safety: every method is thread-safe; the lock is a plain, non-reentrant
+    ``threading.Lock`` made in ``__init__`` (so a patched lock factory sees it).
 
     Raises:
         nothing (no arguments).
@@ -237,7 +193,6 @@ class DecodeCompatContext(FixedViews):
         "drop a room from both dicts with ctx.purge_room(room), add one with "
         "ctx.register_room(room, bootstrap_infos, receiver)"
     )
-
 
     def __init__(self) -> None:
         lock = threading.Lock()
@@ -252,15 +207,12 @@ class DecodeCompatContext(FixedViews):
             "room_receivers", lock, self._receivers
         )
 
-
     # ------------------------------------------------------------------ per-room pairs
 
     def register_room(self, room: object, bootstrap_infos: Any, receiver: Any) -> None:
-        """Set both entries of ``room`` at one instant (replacing any). Thread-safe; one
-        critical section.
+        """Set both entries of ``room`` at one instant (replacing any). Thread-safe.
 
-        Raises:
-            TypeError: ``room`` is unhashable.
+        Raises: TypeError: ``room`` is unhashable.
         """
         k = _hashable(room)
         with self._lock:
@@ -270,11 +222,10 @@ class DecodeCompatContext(FixedViews):
         del old
 
     def room_entry(self, room: object) -> RoomEntry:
-        """``(bootstrap_infos, receiver)`` of ``room`` read at one instant (``None`` for an
-        absent entry). Thread-safe; one critical section.
+        """``(bootstrap_infos, receiver)`` of ``room`` at one instant (``None``: absent).
+        Thread-safe.
 
-        Raises:
-            TypeError: ``room`` is unhashable.
+        Raises: TypeError: ``room`` is unhashable.
         """
         k = _hashable(room)
         # mutant-site: room-entry
@@ -282,12 +233,10 @@ class DecodeCompatContext(FixedViews):
             return self._bootstrap.get(k), self._receivers.get(k)
 
     def purge_room(self, room: object) -> RoomEntry:
-        """Remove ``room`` from both dicts at one instant and return what it held
-        (``(None, None)`` if nothing; idempotent). A concurrent :meth:`room_entry` sees both
-        entries or neither. Thread-safe; one critical section; O(1).
+        """Remove ``room`` from both dicts at one instant; return what it held (``(None,
+        None)`` if nothing). Thread-safe; O(1).
 
-        Raises:
-            TypeError: ``room`` is unhashable.
+        Raises: TypeError: ``room`` is unhashable.
         """
         k = _hashable(room)
         # mutant-site: purge-room
@@ -297,8 +246,7 @@ class DecodeCompatContext(FixedViews):
         return bootstrap, receiver
 
     def rooms(self) -> tuple[frozenset[Any], frozenset[Any]]:
-        """The rooms of ``room_bootstrap`` and of ``room_receivers``, one snapshot of both.
-        Thread-safe."""
+        """The rooms of both dicts, one snapshot. Thread-safe."""
         with self._lock:
             return frozenset(self._bootstrap), frozenset(self._receivers)
 

@@ -1,8 +1,5 @@
-"""Exceptions raised by the staging layer.
-
-Every error the staging layer raises on purpose is a :class:`StagingError`, except bad
-arguments, which raise the built-in :class:`TypeError` / :class:`ValueError` (before any state
-changes) so that callers can treat them as programming errors.
+"""Exceptions raised by the staging layer: every deliberate error is a
+:class:`StagingError`; bad arguments raise ``TypeError``/``ValueError`` before any change.
 """
 
 from __future__ import annotations
@@ -51,10 +48,7 @@ class LockReentryError(LockError):
 
 
 class LockOrderError(LockError):
-    """Debug mode: a lock was acquired against the lock hierarchy.
-
-    Raised the first time the inverted order happens, not only when it deadlocks.
-    """
+    """Debug mode: a lock was acquired against the lock hierarchy (even without deadlock)."""
 
     def __init__(self, held: str, held_level: int, wanted: str, wanted_level: int) -> None:
         super().__init__(
@@ -72,12 +66,8 @@ class LockNotHeldError(LockError):
 
 
 class RoomNotOpenError(StagingError):
-    """Strict mode: a write named a room that is not open.
-
-    Outside strict mode the same write is *refused* (it returns ``False``/empty and counts
-    in ``stats().refused_late_writes``); ``strict=True`` turns that silent answer into this
-    exception, so a write to a room that was never opened cannot pass for a duplicate.
-    """
+    """Strict mode: a write named a room that is not open (otherwise it is refused and
+    counted in ``stats().refused_late_writes``)."""
 
     def __init__(self, room: int, generation: int | None = None, detail: str = "") -> None:
         what = f"room {room}" if generation is None else f"room {room} (generation {generation})"
@@ -90,5 +80,4 @@ class RoomNotOpenError(StagingError):
 
 
 class RoomPurgedError(RoomNotOpenError):
-    """Strict mode: a late write to a room known to be purged (a stale ``RoomHandle``, or,
-    in :class:`~staging.compat.CompatStagingContext`, a room id among the recent purges)."""
+    """Strict mode: a late write to a room known to be purged (stale handle or tombstone)."""

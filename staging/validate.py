@@ -1,8 +1,7 @@
-"""Argument checks shared by the staging layer and the sender.
+"""Argument checks shared by the staging layer and the sender; no state, no locks.
 
-Each check raises before any state changes: ``TypeError`` for a wrong type, ``ValueError``
-for a value out of range. ``bool`` is refused where an ``int`` is expected (``True`` is an
-``int`` in Python, and a room id of ``True`` is always a caller bug).
+Each raises before any state changes: ``TypeError`` for a wrong type, ``ValueError`` for a
+value out of range. ``bool`` is refused where an ``int`` is expected.
 """
 
 from __future__ import annotations
@@ -13,18 +12,12 @@ import threading
 
 
 def check_index(value: object, what: str, *, bools: bool = False) -> int:
-    """Return ``value`` as an exact ``int`` if it is an integer >= 0: an ``int``, or anything
-    ``operator.index`` accepts (``numpy.int64``, ``numpy.uint32``, a 0-d integer array),
-    but not a ``bool`` unless ``bools`` (then as 0/1).
-
-    The result is normalised to a plain ``int`` (an ``int`` subclass's or a numpy scalar's
-    ``__hash__``/``__eq__``, which may be user code, must never run under a lock of the
-    model: callers store the result). ``__index__`` runs here, before any lock. The staging
-    layer never imports numpy: this is the protocol numpy's integers implement.
+    """``value`` as an exact ``int`` >= 0: an ``int`` or anything with ``__index__``
+    (``numpy.int64``), not a ``bool`` unless ``bools``. Exact, so that no user
+    ``__hash__``/``__eq__`` runs later under a lock.
 
     Raises:
-        TypeError: no ``__index__`` (``float``, ``str``, ``numpy.float64``), or a ``bool``
-            (``numpy.bool_`` has no ``__index__`` either).
+        TypeError: no ``__index__`` (``float``, ``str``), or a ``bool``.
         ValueError: negative.
     """
     if type(value) is int and value >= 0:  # the common case, checked first
@@ -45,16 +38,12 @@ def check_index(value: object, what: str, *, bools: bool = False) -> int:
 
 
 def check_indices(values: object, what: str, *, bounded: bool = False) -> tuple[int, ...]:
-    """Every element of ``values`` as an exact ``int`` >= 0 (:func:`check_index` each; with
-    ``bounded``, also below :data:`MAX_ID`, as room ids and chunk indices are): any iterable
-    of integers, e.g. a list, a ``range`` or a 1-D numpy integer array (an object with
-    ``tolist()`` is converted by it first: one call instead of a scalar per element).
+    """Every element of ``values`` (any iterable; ``tolist()`` used if present) through
+    :func:`check_index`, or with ``bounded`` :func:`check_id`.
 
     Raises:
-        TypeError: ``values`` is not iterable (a ``str`` or ``bytes`` is refused), or an
-            element is not an integer (named with its position).
-        ValueError: an element is negative, or (``bounded``) not below :data:`MAX_ID`
-            (named with its position).
+        TypeError: not iterable (or ``str``/``bytes``), or an element is not an integer.
+        ValueError: an element is negative, or (``bounded``) not below :data:`MAX_ID`.
     """
     if isinstance(values, (str, bytes)):
         raise TypeError(f"{what} must be an iterable of ints, got {type(values).__name__}")
@@ -109,16 +98,12 @@ def check_seconds(
 
 
 MAX_ID = 2**63
-"""Room ids and chunk indices are below this (they fit a signed 64-bit integer, as the
-engines' request ids do): every message the sender builds from them (a transfer's
-notification, a room notice of at most ``sender.notices.MAX_NOTICE_BYTES``) then fits, and
-formatting one never meets Python's int-to-str digit limit."""
+"""Room ids and chunk indices are below this (a signed 64-bit integer), so every message
+built from them fits ``sender.notices.MAX_NOTICE_BYTES``."""
 
 
 def check_id(value: object, what: str, *, bools: bool = False) -> int:
-    """:func:`check_index`, and below :data:`MAX_ID` (``2**63``), as every room id and chunk
-    index is, native and compat. The error names a huge value by its size (``str()`` of an
-    int past 4,300 digits itself raises), so building it never fails.
+    """:func:`check_index`, and below :data:`MAX_ID` (``2**63``).
 
     Raises:
         TypeError: as :func:`check_index`.
@@ -135,20 +120,18 @@ def check_id(value: object, what: str, *, bools: bool = False) -> int:
 
 
 def check_room_id(room: object) -> int:
-    """A room id: ``int`` with ``0 <= room < 2**63`` (:data:`MAX_ID`), not ``bool``.
-    Raises: TypeError, ValueError."""
+    """A room id (:func:`check_id`). Raises: TypeError, ValueError."""
     return check_id(room, "room")
 
 
 def check_chunk_idx(chunk_idx: object) -> int:
-    """A chunk index: ``int`` with ``0 <= chunk_idx < 2**63`` (:data:`MAX_ID`), not
-    ``bool``. Raises: TypeError, ValueError."""
+    """A chunk index (:func:`check_id`). Raises: TypeError, ValueError."""
     return check_id(chunk_idx, "chunk_idx")
 
 
 def check_session_id(session_id: object) -> str:
-    """A session id (decode peer): non-empty ``str``, returned as an exact ``str`` (a
-    subclass is normalised, as in :func:`check_index`). Raises: TypeError, ValueError."""
+    """A session id: non-empty ``str``, returned as an exact ``str``.
+    Raises: TypeError, ValueError."""
     if type(session_id) is str and session_id:
         return session_id
     if not isinstance(session_id, str):
@@ -159,10 +142,8 @@ def check_session_id(session_id: object) -> str:
 
 
 def bounded_wait(seconds: float) -> float:
-    """``seconds`` as a wait every blocking call accepts: clamped to
-    ``0 <= s <= threading.TIMEOUT_MAX`` (``Condition.wait``, ``Thread.join``,
-    ``Lock.acquire`` and ``time.sleep`` raise ``OverflowError`` beyond it; a wait that long is
-    no different from "as long as it takes"). NaN becomes 0. Raises: nothing."""
+    """``seconds`` clamped to ``[0, threading.TIMEOUT_MAX]`` (beyond it blocking calls
+    raise ``OverflowError``); NaN becomes 0. Raises: nothing."""
     if seconds > threading.TIMEOUT_MAX:
         return threading.TIMEOUT_MAX
     return seconds if seconds > 0 else 0.0

@@ -147,11 +147,16 @@ if drained or entry is None or abandoned or released:  # MUTANT
     counts["chunks_drained"] += 1
     if released:
         counts["chunks_released_by_transport"] += 1
-    if events:
-        after.ended.append(
-            (chunk.session_id, "drained", now - chunk.made_at, nbytes(chunk))
-        )
-    continue
+    outcome = "drained"
+elif exc is None:
+    entry.jobs_done += 1
+    counts["chunks_done"] += 1
+    if entry.last_chunk_seen and entry.jobs_done == entry.jobs_total:
+        self.maybe_succeed_locked(entry, after)
+    outcome = "done"
+else:
+    counts["chunks_failed"] += 1
+    outcome = "failed"
 """,
         kind="lifecycle",
         description="defect 3: a transfer released by the transport is taken for a purge: the "

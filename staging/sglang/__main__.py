@@ -1,12 +1,8 @@
 """``python -m staging.sglang --check``: does the plugin apply to the installed SGLang?
 
-Prints the installed release, the supported ones, and either what the plugin would change
-(each target and its hook) or why it would change nothing. Exit status: 0 it applies,
-1 it does not (unsupported release, a missing or changed target, SGLang not installed),
-2 it is turned off (``NIXL_STAGING_SGLANG_PLUGIN``). ``--fingerprint`` prints the
-fingerprints of the installed release's targets (for a new entry of
-``staging/sglang/releases.py``). Nothing is registered or patched; the check imports the
-SGLang modules that hold the targets (20-60 s on a small machine).
+Prints what the plugin would change, or why nothing. Exit status: 0 it applies, 1 it does
+not, 2 it is turned off (``NIXL_STAGING_SGLANG_PLUGIN``). ``--fingerprint`` prints the
+installed targets' fingerprints (for a new entry of ``releases.py``). Registers nothing.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""The hook functions the SGLang plugin installs, and the staging class it puts in place.
+"""The hooks the SGLang plugin installs (factories; signatures of SGLang's ``HookRegistry``:
+``AROUND`` ``hook(original, *args, **kwargs)``, ``AFTER`` ``hook(result, *args, **kwargs)``,
+``REPLACE`` the class itself). No upstream body is copied.
 
-Every function here is ours, written against what the released code *does* (read from the
-installed wheels; no upstream body is copied). Each is made by a factory that receives the
-upstream objects it needs, resolved and checked by :mod:`staging.sglang.plugin` before any
-hook is registered. The signatures are those of SGLang's ``HookRegistry``:
-
-* ``AROUND``: ``hook(original, *args, **kwargs)``;
-* ``AFTER``: ``hook(result, *args, **kwargs)`` (its return value ``None`` keeps the result);
-* ``REPLACE`` of a class: the class itself.
-
-Thread-safety: the hooks keep SGLang's threading as it is (``clear()`` and the sender's
-constructor run on the scheduler thread); what they add is one call into a
-:class:`~staging.compat.CompatStagingContext`, whose methods are thread-safe.
+Thread-safety: SGLang's threading is unchanged (``clear()`` and the sender's constructor
+run on the scheduler thread); each hook adds one call into a thread-safe compat context.
 """
 
 from __future__ import annotations
@@ -31,12 +23,8 @@ DECODE_VIEWS = ("room_bootstrap", "room_receivers")
 
 
 def staging_class(upstream: type) -> type:
-    """Our ``PrefillStagingContext``: a dataclass of the same name and module with
-    ``upstream``'s fields except the two sets, on top of :class:`CompatStagingContext`
-    (``ctx.prefetched_rooms`` / ``ctx.prefetch_requested`` are its live views, and
-    ``purge_room`` / ``lift_tombstone`` exist). The kept fields (buffers, watermarks, the
-    watermark condition, the prefetch sockets) are built by their own default factories,
-    as upstream's are.
+    """Our ``PrefillStagingContext``: ``upstream``'s dataclass without the two sets, on
+    :class:`CompatStagingContext`.
 
     Raises:
         ValueError: ``upstream`` is not a dataclass holding both set fields.
@@ -45,11 +33,8 @@ def staging_class(upstream: type) -> type:
 
 
 def decode_staging_class(upstream: type) -> type:
-    """Our ``DecodeStagingContext``: a dataclass of the same name and module with
-    ``upstream``'s fields except the two dicts (``allocator`` is kept), on top of
-    :class:`~staging.decode_compat.DecodeCompatContext` (``ctx.room_bootstrap`` /
-    ``ctx.room_receivers`` are its live views on one lock, and ``purge_room`` /
-    ``register_room`` / ``room_entry`` exist).
+    """Our ``DecodeStagingContext``: ``upstream``'s dataclass without the two dicts, on
+    :class:`~staging.decode_compat.DecodeCompatContext`.
 
     Raises:
         ValueError: ``upstream`` is not a dataclass holding both dict fields.
@@ -63,12 +48,7 @@ def _on_base(
     base: type[CompatStagingContext] | type[DecodeCompatContext],
     what: str,
 ) -> type:
-    """``upstream`` remade as a dataclass on ``base`` without the ``views`` fields (the
-    base's ``__init__`` makes them, from the generated ``__post_init__``).
-
-    Raises:
-        ValueError: ``upstream`` is not a dataclass holding every field of ``views``.
-    """
+    """``upstream`` remade on ``base`` without the ``views`` fields. Raises: ValueError."""
     if not dataclasses.is_dataclass(upstream):
         raise ValueError(f"{upstream!r} is not a dataclass")
     fields = dataclasses.fields(upstream)
@@ -116,27 +96,21 @@ def _field_copy(f: dataclasses.Field[Any]) -> tuple[str, Any, dataclasses.Field[
 
 
 def _ours(sender: Any) -> CompatStagingContext | None:
-    """The sender's manager's staging context if it is ours (a prefill context made by the
-    plugin's class), else ``None`` (decode side, staging off, or bare sets)."""
+    """The sender's manager's staging context if it is our prefill one, else ``None``."""
     ctx = getattr(sender.kv_mgr, "_staging_ctx", None)
     return ctx if isinstance(ctx, CompatStagingContext) else None
 
 
 def _owns_room(sender: Any) -> bool:
-    """Whether the sender is the one that owns its bootstrap room: 0.5.23 marks a sender of
-    a duplicate or cancelled room (deferred bootstrap) with ``_owns_bootstrap_room = False``,
-    and its ``clear()`` then leaves the room alone; 0.5.21 has no such mark (always owns)."""
+    """Whether the sender owns its room (0.5.23: ``_owns_bootstrap_room``; 0.5.21: always)."""
     if getattr(sender.kv_mgr, "deferred_bootstrap", None) is None:
         return True
     return bool(getattr(sender, "_owns_bootstrap_room", True))
 
 
 class _StagingHidden:
-    """A sender's manager as the released ``clear()`` sees it while the hook runs it: every
-    attribute read and write goes to the real manager (its methods come back bound to it),
-    except ``_staging_ctx``, which reads ``None``, so the released body skips its own drop
-    of the room from the two sets (0.5.21: a rebind the view would refuse; 0.5.23: a walk
-    over every key). The hook purges the room itself, once, before."""
+    """A manager proxy whose ``_staging_ctx`` reads ``None``, so the released ``clear()``
+    skips its own staging drop (the hook purged the room already)."""
 
     __slots__ = ("_mgr",)
 
@@ -153,18 +127,9 @@ class _StagingHidden:
 
 
 def purge_then_clear() -> Callable[..., Any]:
-    """AROUND hook of a sender's ``clear()`` (0.5.21's ``NixlKVSender.clear``; 0.5.23's
-    ``CommonKVSender.clear``, which NIXL's and Mooncake's senders inherit).
-
-    On our context, when the sender owns its room (a duplicate's ``clear()`` leaves the room
-    alone, as upstream's does): one ``purge_room`` (both views at one instant, tombstoned,
-    O(keys of the room)); then the released ``clear()`` (upstream's per-room tables, the
-    deferred bootstrap, the ACKs) with the sender's ``kv_mgr`` read through
-    :class:`_StagingHidden` for the duration of the call, so that its own staging drop does
-    not run. ``clear()`` runs on the scheduler thread, the only thread that reads the
-    sender's ``kv_mgr`` (the workers hold the manager itself); the attribute is put back in
-    a ``finally``. Any other context (bare sets, decode side): the released ``clear()`` as
-    it is.
+    """AROUND hook of a sender's ``clear()``: on our context, one ``purge_room`` (if the
+    sender owns its room), then the released ``clear()`` with ``kv_mgr`` swapped for
+    :class:`_StagingHidden`. Safe: only the scheduler thread reads the sender's ``kv_mgr``.
     """
 
     def clear(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -185,12 +150,8 @@ def purge_then_clear() -> Callable[..., Any]:
 
 
 def lift_on_new_sender() -> Callable[..., Any]:
-    """AFTER hook of ``CommonKVSender.__init__``: a sender that owns its room and did not
-    conclude in its constructor is a new request with that id; lift the id's tombstone so its
-    writes are accepted (:meth:`CompatStagingContext.lift_tombstone`; nothing is dropped, so
-    a duplicate id arriving while the first request is live leaves the first's keys alone).
-    A sender of a duplicate or cancelled room (0.5.23: ``_owns_bootstrap_room`` false, or
-    ``conclude_state`` already ``Failed``) lifts nothing."""
+    """AFTER hook of ``CommonKVSender.__init__``: a new sender that owns its room and did
+    not conclude lifts the id's tombstone (:meth:`CompatStagingContext.lift_tombstone`)."""
 
     def after_init(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
         ctx = _ours(self)

@@ -1,27 +1,11 @@
 """The SGLang plugin's decision: what applies to the installed SGLang, and registering it.
 
-:func:`register` is the entry point SGLang's ``load_plugins()`` calls (group
-``sglang.srt.plugins``, name ``nixl_staging``; see ``pyproject.toml``). It decides all or
-nothing:
-
-1. ``NIXL_STAGING_SGLANG_PLUGIN=0`` (or ``false``/``no``/``off``): nothing, one INFO line.
-2. The installed release (``importlib.metadata.version("sglang")``) must have an entry in
-   :data:`staging.sglang.releases.RELEASES`; every target of the entry must resolve (this
-   imports the SGLang modules that hold them, as ``HookRegistry.apply_hooks`` will) and carry
-   the fingerprint of the released source the hook was written against. Otherwise nothing
-   is registered and ONE WARNING names the installed release, the supported ones and the
-   first missing or changed target.
-3. Then every hook is registered with ``HookRegistry.register`` and ONE INFO line names
-   what was replaced. (``load_plugins()`` applies them right after.)
-
-SGLang's own whitelist ``SGLANG_PLUGINS`` (comma-separated entry-point names) is the other
-opt-out: a list without ``nixl_staging`` never calls :func:`register`.
-
-Nothing here imports SGLang, torch or nixl at module import time; :func:`plan` imports SGLang
-only when a supported release is installed.
-
-Thread-safety: :func:`register` and :func:`plan` run once, single-threaded, in SGLang's
-``load_plugins()`` (or in ``python -m staging.sglang --check``).
+:func:`register` (SGLang's ``load_plugins()`` entry point) is all or nothing: turned off by
+``NIXL_STAGING_SGLANG_PLUGIN=0``; otherwise the installed release must be in
+:data:`~staging.sglang.releases.RELEASES` and every target must resolve with its
+fingerprint, or nothing is registered and ONE WARNING says why; else every hook is
+registered and ONE INFO line says so. :func:`plan` imports SGLang only for a supported
+release. Thread-safety: both run once, single-threaded, in ``load_plugins()``.
 """
 
 from __future__ import annotations
@@ -65,11 +49,8 @@ _OFF = frozenset({"0", "false", "no", "off"})
 
 @dataclass
 class Plan:
-    """What the plugin would do to the installed SGLang.
-
-    ``hooks`` is empty unless everything checked out (all or nothing); ``problem`` then says
-    why, in the words of the WARNING.
-    """
+    """What the plugin would do: ``hooks`` is empty unless everything checked out;
+    ``problem`` then says why."""
 
     release: str | None  # installed sglang version, None if not installed
     enabled: bool = True
@@ -105,8 +86,7 @@ def installed_release() -> str | None:
 
 
 def fingerprint(obj: object) -> str:
-    """The first 16 hex digits of the SHA-256 of ``obj``'s source (its ``__wrapped__``
-    chain unwrapped: a function another plugin hooked is read as released).
+    """The first 16 hex digits of the SHA-256 of ``obj``'s (unwrapped) source.
 
     Raises:
         OSError, TypeError: the source cannot be read.
@@ -118,8 +98,7 @@ def fingerprint(obj: object) -> str:
 
 
 def resolve(path: str) -> object:
-    """The object at a dotted ``module.attr[.attr]`` path (as ``HookRegistry`` resolves
-    it; a class's own or inherited attribute).
+    """The object at a dotted ``module.attr[.attr]`` path, as ``HookRegistry`` resolves it.
 
     Raises:
         ImportError, AttributeError, ValueError: it does not resolve.
@@ -140,8 +119,7 @@ def _disabled() -> bool:
 
 
 def use_a_supported_release() -> str:
-    """What to do where the installed SGLang is not a release the plugin knows: the
-    releases to install, and the route for any other SGLang. Raises: nothing."""
+    """Advice where the installed SGLang is not supported. Raises: nothing."""
     newest = next(reversed(RELEASES))
     return (
         f"To use the plugin, run a supported release: pip install 'sglang=={newest}' (or "
@@ -151,8 +129,8 @@ def use_a_supported_release() -> str:
 
 
 def plan(release: str | None = None, *, check_fingerprints: bool = True) -> Plan:
-    """Check the installed SGLang (``release``: the version to assume, default the
-    installed one) and build the hooks, registering nothing.
+    """Check SGLang (``release``: the version to assume, default the installed one) and
+    build the hooks, registering nothing.
 
     Raises: nothing; every problem is in ``Plan.problem``.
     """
@@ -231,10 +209,9 @@ def _make(target: Target, resolved: dict[str, object]) -> Callable[..., Any] | t
 
 
 def register() -> Plan:
-    """The entry point: check, then register every hook or none (module docstring).
+    """The entry point: register every hook or none; log one INFO or WARNING line.
 
-    Logs one INFO line (applied, or turned off) or one WARNING (does not apply). Returns the
-    plan (SGLang ignores it). Raises: nothing (SGLang would log and go on anyway).
+    Raises: nothing.
     """
     result = plan()
     if not result.enabled:

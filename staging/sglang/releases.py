@@ -1,15 +1,8 @@
-"""The SGLang releases the plugin supports: one table entry each (:data:`RELEASES`).
+"""The SGLang releases the plugin supports (:data:`RELEASES`): per release, every upstream
+object relied on, its hook (or ``None``: checked only) and its source fingerprint.
 
-An entry lists every upstream object the plugin relies on, as the dotted target SGLang's
-``HookRegistry`` resolves, with the hook it gets (or ``None``: checked, not hooked) and the
-fingerprint of the released source it was written against (the first 16 hex digits of the
-SHA-256 of ``inspect.getsource(obj)``; no source is kept here). The plugin registers
-nothing unless the installed release has an entry and every target of it resolves and has
-its fingerprint: a changed function means the hook's reading of its behaviour may be wrong.
-
-A newer release gets its own entry here (``python -m staging.sglang --fingerprint`` prints
-the fingerprints of the installed release's targets) and its run of ``make sglang``
-(``tools/sglang/requirements-<release>.lock``).
+A newer release gets an entry here (``python -m staging.sglang --fingerprint``) and its
+``make sglang`` lock file (``tools/sglang/requirements-<release>.lock``).
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ _NIXL = "sglang.srt.disaggregation.nixl.conn"
 
 
 def _decode() -> tuple[Target, ...]:
-    """The decode side's targets; the released code is the same in 0.5.21 and 0.5.23."""
+    """The decode side's targets (the same in 0.5.21 and 0.5.23)."""
     return (
         Target(
             f"{_SH}.DecodeStagingContext",
