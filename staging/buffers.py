@@ -256,19 +256,8 @@ class StagingBufferPool:
         """Return a lease (live or retired); ``True`` if it was. A stale or repeated release
         does nothing. Thread-safe; write lock."""
         with self._lock.write():
-            retired = self._retired.get(slot.index)
             # mutant-site: release
-            if retired is not None and retired.lease == slot.lease:
-                del self._retired[slot.index]
-                if self._short:  # it stands in for the capacity it took
-                    self._short -= 1
-                    self._free.append(slot.index)
-                else:
-                    self._spare.append(slot.index)
-                self._released += 1
-                freed = 1
-            else:
-                freed = self._release_unlocked(slot.index, slot.lease)
+            freed = self._release_unlocked(slot.index, slot.lease)
         if freed:
             self._notify()
         return bool(freed)
@@ -364,9 +353,21 @@ class StagingBufferPool:
     # ------------------------------------------------------------------ internals
 
     def _release_unlocked(self, index: int, lease: int, *, retire: bool = False) -> int:
+        """Free ``index`` if ``lease`` holds it, live or retired (``retire``: retire it if
+        live); 1 if so, else 0. Caller holds ``_lock`` (write)."""
         live = self._leases.get(index)
         if live is None or live.lease != lease:
-            return 0
+            retired = self._retired.get(index)
+            if retire or retired is None or retired.lease != lease:
+                return 0
+            del self._retired[index]
+            if self._short:  # it stands in for the capacity it took
+                self._short -= 1
+                self._free.append(index)
+            else:
+                self._spare.append(index)
+            self._released += 1
+            return 1
         del self._leases[index]
         owned = self._by_owner[live.owner]
         owned.discard(index)

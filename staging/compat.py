@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, MutableSet, Sequence
 from collections.abc import Set as AbstractSet
@@ -51,6 +52,7 @@ LOG: Final = logging.getLogger("staging.compat")
 
 T = TypeVar("T")
 S = TypeVar("S")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,16 +79,9 @@ class CompatStats:
 # Element checks run before any lock: __index__ / str.__str__ of a subclass may be user code.
 
 
-def _plain_index(value: object, what: str, bools: bool = False) -> int:
-    """:func:`staging.validate.check_id` with a fast path. Raises: TypeError, ValueError."""
-    if type(value) is int and 0 <= value < MAX_ID:  # the hot path, without a call
-        return value
-    return check_id(value, what, bools=bools)
-
-
 def _room_id(value: object, bools: bool = False) -> int:
     """A room id (lenient). Raises: TypeError, ValueError."""
-    return _plain_index(value, "room", bools)
+    return check_id(value, "room", bools=bools)
 
 
 def _key(value: object, bools: bool = False) -> PrefetchKey:
@@ -108,8 +103,8 @@ def _key(value: object, bools: bool = False) -> PrefetchKey:
         )
     room, chunk_idx, session_id = tuple(value)
     return (
-        _plain_index(room, "room", bools),
-        _plain_index(chunk_idx, "chunk_idx", bools),
+        check_id(room, "room", bools=bools),
+        check_id(chunk_idx, "chunk_idx", bools=bools),
         check_session_id(session_id),
     )
 
@@ -329,21 +324,16 @@ class _CompatCore(StagingContext):
                 for item in list(self._items_locked(rooms_view)):
                     if item not in keep:
                         discard(item)
-            for item in adds:
-                done = add(item)
-                if done is True:
-                    added += 1
-                elif done is _Refusal.LOG:
-                    to_log.append(item if rooms_view else item[0])
-            for item in toggles:
-                if has(item):
-                    discard(item)
-                    continue
-                done = add(item)
-                if done is True:
-                    added += 1
-                elif done is _Refusal.LOG:
-                    to_log.append(item if rooms_view else item[0])
+            for flip, items in ((False, adds), (True, toggles)):
+                for item in items:
+                    if flip and has(item):
+                        discard(item)
+                        continue
+                    done = add(item)
+                    if done is True:
+                        added += 1
+                    elif done is _Refusal.LOG:
+                        to_log.append(item if rooms_view else item[0])
         _log_refusals(to_log, self._tombstone_capacity)
         return added
 
@@ -359,30 +349,35 @@ class _CompatCore(StagingContext):
 
     # ---------------------------------------------------------------- pop, clear, reads
 
-    def pop_request(self) -> PrefetchKey:
-        """Remove and return some key. Raises: KeyError (empty)."""
+    def pop_item(self, rooms_view: bool) -> Any:
+        """Remove and return some element of one view. Raises: KeyError (empty)."""
+        discard = self._discard_mark_locked if rooms_view else self._discard_key_locked
         with self._lock.write():
-            for room, state in self._rooms.items():
-                if state.requests:
-                    chunk_idx, session_id = state.requests.pop()
-                    self._drop_session_ref(session_id, room)
-                    self._requested_keys -= 1
-                    self._close_if_empty(room, state)
-                    return room, chunk_idx, session_id
-        raise KeyError("pop from an empty prefetch_requested")
+            for item in self._items_locked(rooms_view):
+                discard(item)
+                return item  # before the iteration over _rooms goes on
+        name = "prefetched_rooms" if rooms_view else "prefetch_requested"
+        raise KeyError(f"pop from an empty {name}")
 
-    def clear_requests(self) -> None:
-        """Remove every key (lock-free reads may see it room by room)."""
+    def clear_view(self, rooms_view: bool) -> None:
+        """Empty one view; the rooms left empty close (lock-free reads may see it room by
+        room). Clearing every key empties the whole session index at once."""
         with self._lock.write():
             emptied = []
             for room, state in self._rooms.items():
-                state.requests.clear()
-                if not state.prefetched:
+                if rooms_view:
+                    state.prefetched = False
+                else:
+                    state.requests.clear()
+                if not state.prefetched and not state.requests:
                     emptied.append(room)
             for room in emptied:
                 del self._rooms[room]
-            self._session_rooms.clear()
-            self._requested_keys = 0
+            if rooms_view:
+                self._prefetched_count = 0
+            else:
+                self._session_rooms.clear()
+                self._requested_keys = 0
 
     def requested_snapshot(self) -> frozenset[PrefetchKey]:
         with self._lock.read():
@@ -391,28 +386,6 @@ class _CompatCore(StagingContext):
     def requested_len(self) -> int:
         with self._lock.read():
             return self._requested_keys
-
-    def pop_prefetched(self) -> int:
-        """Unmark and return some prefetched room. Raises: KeyError (none marked)."""
-        with self._lock.write():
-            for room, state in self._rooms.items():
-                if state.prefetched:
-                    state.prefetched = False
-                    self._prefetched_count -= 1
-                    self._close_if_empty(room, state)
-                    return room
-        raise KeyError("pop from an empty prefetched_rooms")
-
-    def clear_prefetched(self) -> None:
-        with self._lock.write():
-            emptied = []
-            for room, state in self._rooms.items():
-                state.prefetched = False
-                if not state.requests:
-                    emptied.append(room)
-            for room in emptied:
-                del self._rooms[room]
-            self._prefetched_count = 0
 
     def prefetched_snapshot(self) -> frozenset[int]:
         with self._lock.read():
@@ -523,15 +496,30 @@ def _members(check: Callable[[object, bool], T], values: Iterable[Any]) -> froze
     return frozenset(out)
 
 
+def _comparison(op: Callable[[frozenset[Any], frozenset[Any]], bool]) -> Callable[..., bool]:
+    """A view's ``==``/``<=``/...: ``op`` on one snapshot and ``other`` frozen; a non-set
+    gives ``NotImplemented``."""
+
+    def compare(self: _SetView[Any], other: object) -> Any:  # bool or NotImplemented
+        if not isinstance(other, AbstractSet):
+            return NotImplemented
+        mine, theirs = self._pair(other)
+        return NotImplemented if theirs is None else op(mine, theirs)
+
+    return compare
+
+
 class _SetView(MutableSet[T], Generic[T]):
     """Shared view behaviour: writes go through the core, whole-set operations read one
     snapshot. Subclasses provide ``__contains__`` (lock-free), ``_check`` and the hooks."""
 
-    __slots__ = ("_core",)
+    __slots__ = ("_core", "_get")
     _ROOMS: bool = False  # which view of the core
 
     def __init__(self, core: _CompatCore) -> None:
         self._core = core
+        # The context's room dict is never rebound, so its bound .get stays valid.
+        self._get: Callable[[Any], _Room | None] = core._rooms.get
 
     # hooks ---------------------------------------------------------------------------
     def _check(self, value: object, bools: bool = False) -> T:
@@ -582,6 +570,19 @@ class _SetView(MutableSet[T], Generic[T]):
         # mutant-site: remove
         if item is None or not self._discard(item):
             raise KeyError(value)
+
+    def pop(self) -> T:
+        """Remove (unmark) and return some element. Thread-safe; atomic.
+
+        Raises: KeyError (empty).
+        """
+        item: T = self._core.pop_item(self._ROOMS)
+        return item
+
+    def clear(self) -> None:
+        """Remove every element; the other view keeps its own (keys, marks). Thread-safe;
+        one critical section; lock-free ``in`` may see it room by room."""
+        self._core.clear_view(self._ROOMS)
 
     def update(self, *others: Iterable[T]) -> None:
         """Add every element of ``others`` under ONE write lock; tombstoned rooms' elements
@@ -682,41 +683,17 @@ class _SetView(MutableSet[T], Generic[T]):
         theirs = _frozen(other)
         return (frozenset() if theirs is None else self.snapshot()), theirs
 
-    def _sub_self(self, others: tuple[Iterable[Any], ...], mine: frozenset[T]) -> list[Any]:
-        """``others`` with the view itself replaced by the snapshot ``mine``."""
-        return [mine if other is self else other for other in others]
+    def _on_snapshot(self, op: Callable[..., R], *others: Iterable[Any]) -> R:
+        """``op(snapshot, *others)``, the view itself among ``others`` read as that snapshot."""
+        mine = self.snapshot()
+        return op(mine, *[mine if other is self else other for other in others])
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, AbstractSet):
-            return NotImplemented
-        mine, theirs = self._pair(other)
-        return mine == theirs
-
+    __eq__ = _comparison(operator.eq)
     __hash__ = None  # type: ignore[assignment]  # mutable, like set
-
-    def __le__(self, other: AbstractSet[Any]) -> bool:
-        if not isinstance(other, AbstractSet):
-            return NotImplemented
-        mine, theirs = self._pair(other)
-        return NotImplemented if theirs is None else mine <= theirs
-
-    def __lt__(self, other: AbstractSet[Any]) -> bool:
-        if not isinstance(other, AbstractSet):
-            return NotImplemented
-        mine, theirs = self._pair(other)
-        return NotImplemented if theirs is None else mine < theirs
-
-    def __ge__(self, other: AbstractSet[Any]) -> bool:
-        if not isinstance(other, AbstractSet):
-            return NotImplemented
-        mine, theirs = self._pair(other)
-        return NotImplemented if theirs is None else mine >= theirs
-
-    def __gt__(self, other: AbstractSet[Any]) -> bool:
-        if not isinstance(other, AbstractSet):
-            return NotImplemented
-        mine, theirs = self._pair(other)
-        return NotImplemented if theirs is None else mine > theirs
+    __le__ = _comparison(operator.le)
+    __lt__ = _comparison(operator.lt)
+    __ge__ = _comparison(operator.ge)
+    __gt__ = _comparison(operator.gt)
 
     def __and__(self, other: AbstractSet[Any]) -> frozenset[T]:
         mine, theirs = self._pair(other)
@@ -746,38 +723,31 @@ class _SetView(MutableSet[T], Generic[T]):
 
     def isdisjoint(self, other: Iterable[Any]) -> bool:
         """On one snapshot. Thread-safe."""
-        mine = self.snapshot()
-        return mine.isdisjoint(mine if other is self else other)
+        return self._on_snapshot(frozenset.isdisjoint, other)
 
     def issubset(self, other: Iterable[Any]) -> bool:
         """On one snapshot. Thread-safe."""
-        mine = self.snapshot()
-        return mine.issubset(mine if other is self else other)
+        return self._on_snapshot(frozenset.issubset, other)
 
     def issuperset(self, other: Iterable[Any]) -> bool:
         """On one snapshot. Thread-safe."""
-        mine = self.snapshot()
-        return mine.issuperset(mine if other is self else other)
+        return self._on_snapshot(frozenset.issuperset, other)
 
     def union(self, *others: Iterable[S]) -> frozenset[T | S]:
         """On one snapshot, as a frozenset. Thread-safe."""
-        mine = self.snapshot()
-        return mine.union(*self._sub_self(others, mine))
+        return self._on_snapshot(frozenset.union, *others)
 
     def intersection(self, *others: Iterable[Any]) -> frozenset[T]:
         """On one snapshot, as a frozenset. Thread-safe."""
-        mine = self.snapshot()
-        return mine.intersection(*self._sub_self(others, mine))
+        return self._on_snapshot(frozenset.intersection, *others)
 
     def difference(self, *others: Iterable[Any]) -> frozenset[T]:
         """On one snapshot, as a frozenset. Thread-safe."""
-        mine = self.snapshot()
-        return mine.difference(*self._sub_self(others, mine))
+        return self._on_snapshot(frozenset.difference, *others)
 
     def symmetric_difference(self, other: Iterable[S]) -> frozenset[T | S]:
         """On one snapshot, as a frozenset. Thread-safe."""
-        mine = self.snapshot()
-        return mine.symmetric_difference(mine if other is self else other)
+        return self._on_snapshot(frozenset.symmetric_difference, other)
 
     def __repr__(self) -> str:
         items = sorted(self.snapshot(), key=repr)
@@ -789,13 +759,8 @@ class PrefetchedRoomsView(_SetView[int]):
     """``ctx.prefetched_rooms``: the rooms marked prefetched, as a live set. Thread-safe;
     ``room in view`` is lock-free and linearizable."""
 
-    __slots__ = ("_get",)
+    __slots__ = ()
     _ROOMS = True
-
-    def __init__(self, core: _CompatCore) -> None:
-        super().__init__(core)
-        # The context's room dict is never rebound, so its bound .get stays valid.
-        self._get: Callable[[Any], _Room | None] = core._rooms.get
 
     def __contains__(self, room: object) -> bool:
         """O(1), no lock; linearizable (as ``StagingContext.is_prefetched``)."""
@@ -815,17 +780,6 @@ class PrefetchedRoomsView(_SetView[int]):
     def _discard(self, item: int) -> bool:
         return self._core.discard_prefetched(item)
 
-    def pop(self) -> int:
-        """Unmark and return some prefetched room. Thread-safe; atomic.
-
-        Raises: KeyError (empty).
-        """
-        return self._core.pop_prefetched()
-
-    def clear(self) -> None:
-        """Unmark every room (rooms with keys stay open). Thread-safe; atomic."""
-        self._core.clear_prefetched()
-
     def snapshot(self) -> frozenset[int]:
         """Frozen copy under one read lock. Thread-safe."""
         return self._core.prefetched_snapshot()
@@ -835,11 +789,7 @@ class PrefetchRequestedView(_SetView[PrefetchKey]):
     """``ctx.prefetch_requested``: every ``(room, chunk_idx, session_id)`` key, as a live
     set. Thread-safe; ``key in view`` is lock-free and linearizable."""
 
-    __slots__ = ("_get",)
-
-    def __init__(self, core: _CompatCore) -> None:
-        super().__init__(core)
-        self._get: Callable[[Any], _Room | None] = core._rooms.get
+    __slots__ = ()
 
     def __contains__(self, key: object) -> bool:
         """O(1), no lock; linearizable (as ``StagingContext.is_requested``). A non-key is
@@ -863,18 +813,6 @@ class PrefetchRequestedView(_SetView[PrefetchKey]):
 
     def _discard(self, item: PrefetchKey) -> bool:
         return self._core.discard_request(*item)
-
-    def pop(self) -> PrefetchKey:
-        """Remove and return some key. Thread-safe; atomic.
-
-        Raises: KeyError (empty).
-        """
-        return self._core.pop_request()
-
-    def clear(self) -> None:
-        """Remove every key (marks stay). Thread-safe; lock-free ``in`` may see it room by
-        room."""
-        self._core.clear_requests()
 
     def snapshot(self) -> frozenset[PrefetchKey]:
         """Frozen copy under one read lock. Thread-safe."""

@@ -136,15 +136,11 @@ class LockedDictView(MutableMapping[Any, Any]):
         with self._lock:
             return dict(self._data)
 
-    def copy(self) -> dict[Any, Any]:
-        """As :meth:`snapshot` (a plain ``dict``)."""
-        return self.snapshot()
+    copy = snapshot  # a plain ``dict``, as dict.copy
 
     def __iter__(self) -> Iterator[Any]:
         """Over a snapshot of the keys."""
-        with self._lock:
-            keys = list(self._data)
-        return iter(keys)
+        return iter(self.keys())
 
     def keys(self) -> list[Any]:  # type: ignore[override]
         """A snapshot of the keys."""

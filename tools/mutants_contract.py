@@ -322,21 +322,16 @@ with self._lock.write():
         for item in list(self._items_locked(rooms_view)):
             if item not in keep:
                 discard(item)
-    for item in adds:
-        done = add(item)
-        if done is True:
-            added += 1
-        elif done is _Refusal.LOG:
-            to_log.append(item if rooms_view else item[0])
-    for item in toggles:
-        if has(item):
-            discard(item)
-            continue
-        done = add(item)
-        if done is True:
-            added += 1
-        elif done is _Refusal.LOG:
-            to_log.append(item if rooms_view else item[0])
+    for flip, items in ((False, adds), (True, toggles)):
+        for item in items:
+            if flip and has(item):
+                discard(item)
+                continue
+            done = add(item)
+            if done is True:
+                added += 1
+            elif done is _Refusal.LOG:
+                to_log.append(item if rooms_view else item[0])
     _log_refusals(to_log, self._tombstone_capacity)  # MUTANT: logged under the lock
 """,
         kind="sequential",
@@ -368,21 +363,16 @@ with self._lock.write():
         for item in before:  # what to discard was decided before the lock
             if item not in keep:
                 discard(item)
-    for item in adds:
-        done = add(item)
-        if done is True:
-            added += 1
-        elif done is _Refusal.LOG:
-            to_log.append(item if rooms_view else item[0])
-    for item in toggles:
-        if has(item):
-            discard(item)
-            continue
-        done = add(item)
-        if done is True:
-            added += 1
-        elif done is _Refusal.LOG:
-            to_log.append(item if rooms_view else item[0])
+    for flip, items in ((False, adds), (True, toggles)):
+        for item in items:
+            if flip and has(item):
+                discard(item)
+                continue
+            done = add(item)
+            if done is True:
+                added += 1
+            elif done is _Refusal.LOG:
+                to_log.append(item if rooms_view else item[0])
 """,
         kind="race",
         description="the compat core decides what &= / intersection_update discards from the "

@@ -142,17 +142,7 @@ self.notifier.stop(float("inf"))  # MUTANT: the notices of a close must all go o
         file="staging/buffers.py",
         site="release",
         replacement="""\
-if retired is not None and retired.lease == slot.lease:
-    del self._retired[slot.index]
-    if self._short:  # it stands in for the capacity it took
-        self._short -= 1
-        self._free.append(slot.index)
-    else:
-        self._spare.append(slot.index)
-    self._released += 1
-    freed = 1
-else:
-    live = self._leases.get(slot.index)  # MUTANT: whatever lease the index has now
+live = self._leases.get(slot.index)  # MUTANT: whatever lease the index has now
 freed = self._release_unlocked(slot.index, slot.lease if live is None else live.lease)
 """,
         kind="race",
