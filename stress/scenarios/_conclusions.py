@@ -5,7 +5,8 @@ scheduler thread, after its own work for the room (a bytes check over the peer's
 channel). A bound on the sender is judged by the sender's own time: :class:`ConclusionClock`
 is a manager listener (:class:`~sender.events.ManagerEvents`) that notes ``time.monotonic()``
 when the manager tells of each opening's conclusion -- after the room's status changed, so
-never early.
+never early -- and of each chunk that ended ``failed``: the sender's own progress, in which
+``two-hosts`` bounds a fault's rooms (so many failed chunks, not so many seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class ConclusionClock:
         self._now = now  # the clock read (tests pass their own)
         self._lock = threading.Lock()
         self._at: dict[tuple[int, int], float] = {}  # guarded by _lock
+        self._failed_chunks: list[float] = []  # guarded by _lock; when each was told
 
     def room_concluded(
         self, room: int, generation: int, outcome: str, code: str, seconds: float
@@ -39,7 +41,17 @@ class ConclusionClock:
             self._at.setdefault((room, generation), now)
 
     def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
-        """Not needed here."""
+        """Note when a chunk ended ``failed`` (other outcomes are not needed here)."""
+        if outcome != "failed":
+            return
+        now = self._now()
+        with self._lock:
+            self._failed_chunks.append(now)
+
+    def failed_chunks(self, start: float, end: float) -> int:
+        """How many chunks the manager told as ``failed`` in ``(start, end)``."""
+        with self._lock:
+            return sum(start < at < end for at in self._failed_chunks)
 
     def at(self, room: int, generation: int) -> float | None:
         """When the manager concluded that opening (``None``: not told, e.g. a room the
