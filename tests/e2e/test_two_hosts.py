@@ -264,14 +264,13 @@ def test_faults_run_cleanly_over_the_link(run: dict[str, Any]) -> None:
 def test_fault_figures(run: dict[str, Any], kind: str) -> None:
     ph = _phase(run, kind)
     # The fault struck while chunks were posted; every room in flight then concluded within
-    # the sender's progress bound (failed chunks, not seconds: the latency and its goal are
-    # figures, measured on a quiet machine by `python -m bench fail-fast`). A graceful
-    # restart may let them finish.
+    # failed together (at most one per worker of its own chunk, the rest with the session:
+    # no clock; the latency and its goal are figures, measured on a quiet machine by
+    # `python -m bench fail-fast`). A graceful restart may let them finish.
     assert ph["transfers_in_flight_at_fault"] and ph["in_flight"] >= 1, ph
     if kind != "restart":  # the fault took effect: a room failed of it, in flight or after
         assert ph["in_flight_failed"] + ph["opened_after_failed"] >= 1, ph
-    assert ph["in_flight_failed_chunks_max"] <= ph["failed_chunks_allowed"], ph
-    assert ph["opened_after_failed_chunks_max"] <= ph["failed_chunks_allowed"], ph
+    assert ph["in_flight_own_failures"] <= ph["own_failures_allowed"], ph
     # Judged by the sender's clock: the manager told the rig of every room's conclusion.
     assert ph["judged_by_the_scheduler"] == 0, ph
     # Rooms opened after the fault failed (once evicted, every one); none succeeded while a
