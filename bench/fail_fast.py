@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bench._harness import BenchResult, Cell, Goal, JSONValue, pending_result
+from bench._harness import BenchResult, Cell, Goal, JSONValue, Ratio, pending_result
 from sender import _nixl
 from sender.poll import KVPoll
 
@@ -117,6 +117,7 @@ def _result(took: dict[str, list[float | None]], rounds: int) -> BenchResult:
     columns = ["fault", "rooms", "not Failed", "p50 ms", "max ms", "goal ms", "goal"]
     rows: list[dict[str, Cell]] = []
     goals: list[Goal] = []
+    ratios: list[Ratio] = []
     samples: dict[str, list[float]] = {}
     for kind, values in took.items():
         failed = [v for v in values if v is not None]
@@ -134,6 +135,13 @@ def _result(took: dict[str, list[float | None]], rounds: int) -> BenchResult:
             }
         )
         samples[f"{kind} ms"] = [round(v * 1e3, 2) for v in failed]
+        ratios.append(
+            Ratio(
+                f"{kind}: worst / transfer deadline",
+                None if worst is None else round(worst / TRANSFER_TIMEOUT_S, 3),
+                f"the goal: <= {GOALS_S[kind] / TRANSFER_TIMEOUT_S:g}",
+            )
+        )
         goals.append(
             Goal(
                 f"{kind}: every room in flight Failed within {GOAL_TEXT[kind]} "
@@ -155,6 +163,7 @@ def _result(took: dict[str, list[float | None]], rounds: int) -> BenchResult:
         title=TITLE,
         columns=columns,
         rows=rows,
+        ratios=ratios,
         goals=goals,
         notes=[
             f"{rounds} round(s) per fault, alternating; {ROOMS} two-page rooms in flight "
