@@ -94,6 +94,11 @@ BENCHMARKS: tuple[BenchSpec, ...] = (
         "healthy peers' room p50/p99 with one decode peer hung (SIGSTOP) vs none",
     ),
     BenchSpec(
+        "fail-fast",
+        "bench.fail_fast",
+        "a room's SIGKILL/SIGSTOP -> Failed latency vs its goal (2 deadlines / deadline + 100 ms)",
+    ),
+    BenchSpec(
         "two-hosts",
         "bench.two_hosts",
         "GB/s over a tbf-shaped veth link to a peer in its own netns (UCX/TCP) vs the rate",

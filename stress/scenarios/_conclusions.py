@@ -5,7 +5,8 @@ scheduler thread, after its own work for the room (a bytes check over the peer's
 channel). A bound on the sender is judged by the sender's own time: :class:`ConclusionClock`
 is a manager listener (:class:`~sender.events.ManagerEvents`) that notes ``time.monotonic()``
 when the manager tells of each opening's conclusion -- after the room's status changed, so
-never early.
+never early -- and the room-notice ``code`` it gave (``peer-failed``: the room failed with its
+decode session as a whole, ``fail_session``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class ConclusionClock:
         self._now = now  # the clock read (tests pass their own)
         self._lock = threading.Lock()
         self._at: dict[tuple[int, int], float] = {}  # guarded by _lock
+        self._code: dict[tuple[int, int], str] = {}  # guarded by _lock
 
     def room_concluded(
         self, room: int, generation: int, outcome: str, code: str, seconds: float
@@ -37,9 +39,15 @@ class ConclusionClock:
         now = self._now()
         with self._lock:
             self._at.setdefault((room, generation), now)
+            self._code.setdefault((room, generation), code)
 
     def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
         """Not needed here."""
+
+    def code(self, room: int, generation: int) -> str | None:
+        """The code the manager concluded that opening with (``None``: not told)."""
+        with self._lock:
+            return self._code.get((room, generation))
 
     def at(self, room: int, generation: int) -> float | None:
         """When the manager concluded that opening (``None``: not told, e.g. a room the

