@@ -111,6 +111,8 @@ LEGACY_DRAIN_S = 0.3
 still land for a while: wait this long before reading pages for the audit."""
 PLANT_NO_NOTICES = "no-notices"
 """Test-only planted bug: managers made with ``notify_decode=False`` (``decode-told`` fires)."""
+PLANT_NO_FAIL_SESSION = "no-fail-session"
+"""Test-only planted bug: managers made with ``fail_session_on_disconnect=False``."""
 TOLD_WAIT_S = 2.0
 """``decode-told``: the fixed wait this check used before its bounds were derived (2 s after
 the manager closed and drained). Kept as the yardstick of ``late``: a notice learnt later
@@ -856,6 +858,7 @@ class SenderRig:
             debug=True,
             staging_region=region,
             notify_decode=self.config.plant_bug != PLANT_NO_NOTICES,
+            fail_session_on_disconnect=self.config.plant_bug != PLANT_NO_FAIL_SESSION,
             tracker=self.notices,
             events=self._events(),
         )

@@ -193,11 +193,10 @@ PLANTED_BUGS = (
 )
 """Test only, each makes one check fire. ``quarantine``: the driver reuses a failed room's
 pages at once (``release_rule="quarantine"``, 0 s) while its transfers may still drain
-(``no-early-reuse``). ``no-fail-session``: the manager does not fail a dead/hung peer's other
-rooms at once (``fail_session_on_disconnect=False``): after a kill or restart each room in
-flight then fails of its own disconnect error, within milliseconds -- as most do with it: no
-timing-free check tells the two apart, and this plant no longer fails the run (its latency
-is ``python -m bench fail-fast``'s). ``leak-slot``: a staging slot is leased
+(``no-early-reuse``). ``no-fail-session``: the managers are built with
+``fail_session_on_disconnect=False``: a hung peer's or cut link's rooms in flight then each
+fail at their own chunk's deadline, not together with their session (``fault-to-failed``).
+``leak-slot``: a staging slot is leased
 during each fault and never returned (``no-leak``). ``no-repair``: the fault is never
 repaired (``recovered``). ``no-tcp``: UCX may use shared memory/CMA (``UCX_TLS`` unset on
 both sides; the net devices stay restricted): the bytes bypass the link
@@ -1070,8 +1069,6 @@ class _Child:
 
     def _phase(self, rig: NetnsRig, kind: str, rate: int) -> dict[str, JSONValue]:
         before = {r.name: r.violations for r in self.monitor.reports()}
-        if self.plan.plant_bug == "no-fail-session":
-            rig.mgr.fail_session_on_disconnect = False
         self.track = _Track()
         track = self.track
         peer = rig.peers[SESSION]

@@ -162,6 +162,28 @@ def test_manager_arguments_are_named_in_errors(
         KVManager(tx, kv, num_workers=0, **kw)
 
 
+SETTINGS = (
+    "transfer_timeout_s",
+    "slot_timeout_s",
+    "session_slots",
+    "poll_interval_s",
+    "kv_region",
+    "staging_region",
+    "fail_session_on_disconnect",
+)
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_manager_settings_are_read_only(mgr: KVManager, name: str) -> None:
+    """The pipeline and workers keep the settings the manager was built with, so assigning
+    one afterwards would do nothing: it raises instead (a stress plant once set
+    ``fail_session_on_disconnect`` on a built manager and tested nothing)."""
+    before = getattr(mgr, name)
+    with pytest.raises(AttributeError):
+        setattr(mgr, name, before)
+    assert getattr(mgr, name) == before
+
+
 def _metadata(header: bytes, blob: bytes = b"x") -> bytes:
     return b"NXSTG\x01" + struct.pack(">I", len(header)) + header + blob
 
