@@ -11,7 +11,6 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,8 @@ from staging.context import StagingContext
 from tests import polling
 from tests.fixtures_nixl import NUM_PAGES, PAGE_BYTES, SenderPool, requires_nixl
 from tests.polling import conclude
+from tests.sender._scripted import SCRIPTED_SESSION, Rig
+from tests.sender._sessions import SESSIONS_PAGE_BYTES, A, SessionsRig, one_session_sender
 
 pytestmark = [pytest.mark.nixl, requires_nixl, pytest.mark.timeout(60)]
 
@@ -293,79 +294,6 @@ def test_integer_like_room_ids_are_accepted_as_plain_ints(mgr: KVManager) -> Non
     for bad, exc in ((True, TypeError), (np.uint64(2**63), ValueError)):
         with pytest.raises(exc):
             NixlKVSender(mgr, bad, [SESSION])
-
-
-SCRIPTED_SESSION = "decode-0"
-
-
-@dataclass
-class Rig:
-    """The sender transport + pool (``sp``) and an in-process decode peer added as
-    SCRIPTED_SESSION."""
-
-    sp: SenderPool
-    peer: Any  # stress.harness.peer.DecodePeer
-
-    @property
-    def tx(self) -> Any:
-        return self.sp.transport
-
-    @property
-    def kv(self) -> torch.Tensor:
-        return self.sp.pool
-
-
-@pytest.fixture
-def rig(sender_pool: SenderPool, decode_peer: Any) -> Rig:
-    sender_pool.transport.add_peer(SCRIPTED_SESSION, decode_peer.metadata())
-    return Rig(sender_pool, decode_peer)
-
-
-SESSIONS_PAGES = 64
-
-
-SESSIONS_PAGE_BYTES = 4096
-
-
-A, B = "decode-a", "decode-b"
-
-
-@dataclass
-class SessionsRig:
-    tx: NixlTransport
-    rx: NixlTransport
-    kv: torch.Tensor
-    dst: torch.Tensor
-
-    def with_pool(self, num_slots: int, slot_pages: int, page_bytes: int = SESSIONS_PAGE_BYTES,
-                  cls: type[StagingBufferPool] = StagingBufferPool, **kw: Any) -> Any:
-        pool = cls(num_slots, slot_pages, page_bytes, **kw)
-        self.tx.register_region("staging", pool.tensor, page_bytes)
-        return pool
-
-
-@pytest.fixture
-def sessions_rig() -> Iterator[SessionsRig]:
-    """A prefill transport (KV pool ``kv``) and a decode transport (``kv``), with the decode
-    agent added twice, as sessions A and B (two decode sessions, one agent)."""
-    gen = torch.Generator().manual_seed(25)
-    kv = torch.randint(
-        0, 256, (SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8, generator=gen
-    )
-    dst = torch.zeros((SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8)
-    with NixlTransport("prefill-edge") as tx, NixlTransport("decode-edge") as rx:
-        tx.register_region("kv", kv, SESSIONS_PAGE_BYTES)
-        rx.register_region("kv", dst, SESSIONS_PAGE_BYTES)
-        md = rx.metadata()
-        tx.add_peer(A, md)
-        tx.add_peer(B, md)
-        yield SessionsRig(tx, rx, kv, dst)
-
-
-def one_session_sender(mgr: KVManager, room: int, dst: list[int], **info_kw: Any) -> NixlKVSender:
-    s = NixlKVSender(mgr, room, [A], [make_transfer_info(A, dst, **info_kw)])
-    s.init(len(dst))
-    return s
 
 
 def conclude_fast(s: NixlKVSender, timeout_s: float) -> KVPoll:

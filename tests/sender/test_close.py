@@ -10,57 +10,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import pytest
-import torch
 
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
-from sender.transport import NixlTransport
-from staging.buffers import StagingBufferPool
 from staging.context import RoomHandle
 from tests import polling
 from tests.fixtures_nixl import SenderPool, requires_nixl
 from tests.polling import wait_until
-
-SCRIPTED_SESSION = "decode-0"
-
-
-@dataclass
-class Rig:
-    """The sender transport + pool (``sp``) and an in-process decode peer added as
-    SCRIPTED_SESSION."""
-
-    sp: SenderPool
-    peer: Any  # stress.harness.peer.DecodePeer
-
-    @property
-    def tx(self) -> Any:
-        return self.sp.transport
-
-    @property
-    def kv(self) -> torch.Tensor:
-        return self.sp.pool
-
-
-@pytest.fixture
-def rig(sender_pool: SenderPool, decode_peer: Any) -> Rig:
-    sender_pool.transport.add_peer(SCRIPTED_SESSION, decode_peer.metadata())
-    return Rig(sender_pool, decode_peer)
-
-
-def sender(
-    mgr: KVManager, room: int, dst: Sequence[int], session: str = SCRIPTED_SESSION
-) -> NixlKVSender:
-    s = NixlKVSender(mgr, room, [session], [make_transfer_info(session, dst)])
-    s.init(len(dst))
-    return s
+from tests.sender._listeners import Recorder
+from tests.sender._real_wrappers import HeldTransport
+from tests.sender._scripted import SCRIPTED_SESSION, Rig
+from tests.sender._sessions import A, SessionsRig, one_session_sender
 
 
 def _pause_open_room_at_room_lock(
@@ -86,117 +52,6 @@ def _pause_open_room_at_room_lock(
             resume.wait(3.0)
 
     return hook
-
-
-SESSIONS_PAGES = 64
-
-
-SESSIONS_PAGE_BYTES = 4096
-
-
-A, B = "decode-a", "decode-b"
-
-
-@dataclass
-class SessionsRig:
-    tx: NixlTransport
-    rx: NixlTransport
-    kv: torch.Tensor
-    dst: torch.Tensor
-
-    def with_pool(
-        self,
-        num_slots: int,
-        slot_pages: int,
-        page_bytes: int = SESSIONS_PAGE_BYTES,
-        cls: type[StagingBufferPool] = StagingBufferPool,
-        **kw: Any,
-    ) -> Any:
-        pool = cls(num_slots, slot_pages, page_bytes, **kw)
-        self.tx.register_region("staging", pool.tensor, page_bytes)
-        return pool
-
-
-@pytest.fixture
-def sessions_rig() -> Iterator[SessionsRig]:
-    """A prefill transport (KV pool ``kv``) and a decode transport (``kv``), with the decode
-    agent added twice, as sessions A and B (two decode sessions, one agent)."""
-    gen = torch.Generator().manual_seed(25)
-    kv = torch.randint(
-        0, 256, (SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8, generator=gen
-    )
-    dst = torch.zeros((SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8)
-    with NixlTransport("prefill-edge") as tx, NixlTransport("decode-edge") as rx:
-        tx.register_region("kv", kv, SESSIONS_PAGE_BYTES)
-        rx.register_region("kv", dst, SESSIONS_PAGE_BYTES)
-        md = rx.metadata()
-        tx.add_peer(A, md)
-        tx.add_peer(B, md)
-        yield SessionsRig(tx, rx, kv, dst)
-
-
-class HeldTransfer:
-    """A real transfer that answers ``"PROC"`` while its transport holds it."""
-
-    def __init__(self, inner: Any, owner: HeldTransport) -> None:
-        self.inner = inner
-        self.owner = owner
-
-    def poll(self) -> str:
-        state: str = self.inner.poll()  # raises TransferReleasedError once released
-        self.owner.polls += 1
-        return "PROC" if not self.owner.go.is_set() else state
-
-    def release(self) -> None:
-        self.inner.release()
-
-    def settled(self) -> bool:
-        return True
-
-
-class HeldTransport:
-    """The real transport; its writes are :class:`HeldTransfer` (held until ``go``)."""
-
-    def __init__(self, inner: NixlTransport, *, held: bool = True) -> None:
-        self.inner = inner
-        self.go = threading.Event()
-        if not held:
-            self.go.set()
-        self.polls = 0
-        self.transfers: list[HeldTransfer] = []
-
-    def write_pages(self, *args: Any, **kw: Any) -> HeldTransfer:
-        t = HeldTransfer(self.inner.write_pages(*args, **kw), self)
-        self.transfers.append(t)
-        return t
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-class Recorder:
-    """A listener that counts chunk ends and room conclusions by outcome (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.chunks: Counter[str] = Counter()
-        self.nbytes: Counter[str] = Counter()
-        self.rooms: Counter[str] = Counter()
-
-    def room_concluded(self, room: int, gen: int, outcome: str, code: str, s: float) -> None:
-        with self._lock:
-            self.rooms[outcome] += 1
-
-    def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
-        with self._lock:
-            self.chunks[outcome] += 1
-            self.nbytes[outcome] += nbytes
-
-
-def one_session_sender(mgr: KVManager, room: int, dst: list[int], **info_kw: Any) -> NixlKVSender:
-    s = NixlKVSender(mgr, room, [A], [make_transfer_info(A, dst, **info_kw)])
-    s.init(len(dst))
-    return s
 
 
 # This file's polling cadences; tests/polling.py has the loops.

@@ -10,9 +10,10 @@ next. So the invariant first drains (``wait_drained``), then checks: nothing of 
 left in any table, the staging context or the slot pool, nothing is draining, the transfer
 handle was released exactly once, and nothing raised.
 
-The transport here is an in-memory stand-in (a transfer that is DONE at once and guards its
-release like ``sender.transport.Transfer``): the explorer needs every step to be Python it
-can schedule, and real NIXL calls release the GIL into C++. The same paths run over real
+The transport here is an in-memory stand-in (tests/sender/_instant_transport.py: a transfer
+that is DONE at once and guards its release like ``sender.transport.Transfer``): the
+explorer needs every step to be Python it can schedule, and real NIXL calls release the GIL
+into C++. The same paths run over real
 NIXL in ``tests/sender/test_sender.py`` and the stress suite. The explorations of the post fence,
 of double completion, of ``failure_exception()`` and of purge atomicity are in
 ``tests/sender/test_dpor_*.py``.
@@ -24,8 +25,6 @@ interleaving in which it resurrects the cleared room.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
 from typing import Any
 
 import frontrun
@@ -33,72 +32,14 @@ import numpy as np
 import pytest
 import torch
 
-from sender.errors import TransferReleasedError
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from staging import StagingContext
 from staging.buffers import StagingBufferPool
+from tests.sender._instant_transport import EXPLORE, PAGE_BYTES, InstantTransport
 
 pytestmark = pytest.mark.timeout(120)
-
-EXPLORE: dict[str, Any] = {
-    "preemption_bound": None,
-    "stop_on_first": True,
-    "detect_io": False,
-    "reproduce_on_failure": 3,
-    "deadlock_timeout": 10.0,
-    "timeout_per_run": 10.0,
-}
-PAGE_BYTES = 16
-
-
-
-class GuardedTransfer:
-    """A transfer stand-in: ``poll`` answers ``state`` (``"DONE"`` unless scripted
-    otherwise; a test may set it later); release idempotent under a lock, counted;
-    a poll after release refused (like ``sender.transport.Transfer``)."""
-
-    def __init__(self, state: str = "DONE") -> None:
-        self._lock = threading.Lock()
-        self._released = False
-        self.state = state
-        self.raw_releases = 0
-
-    def poll(self) -> str:
-        with self._lock:
-            if self._released:
-                raise TransferReleasedError("transfer already released")
-            return self.state
-
-    def release(self) -> None:
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-            self.raw_releases += 1
-
-
-class InstantTransport:
-    """``write_pages`` stand-in: the n-th posted transfer starts in ``states[n]`` (``"DONE"``
-    past the script)."""
-
-    def __init__(self, states: Sequence[str] = ()) -> None:
-        self.transfers: list[GuardedTransfer] = []
-        self._states = list(states)
-
-    def write_pages(
-        self,
-        session_id: str,
-        src_pages: Sequence[int] | Any,
-        dst_pages: Sequence[int] | Any,
-        notif: bytes | None = None,
-        **kwargs: Any,
-    ) -> GuardedTransfer:
-        n = len(self.transfers)
-        xfer = GuardedTransfer(self._states[n] if n < len(self._states) else "DONE")
-        self.transfers.append(xfer)
-        return xfer
 
 
 class LateWritingManager(KVManager):

@@ -55,7 +55,7 @@ from sender.notifier import Notifier
 from sender.poll import KVPoll
 from staging import StagingContext
 from staging.context import RoomHandle
-from tests.sender.test_dpor_clear import EXPLORE, PAGE_BYTES, GuardedTransfer, InstantTransport
+from tests.sender._instant_transport import EXPLORE, PAGE_BYTES, GuardedTransfer, InstantTransport
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -45,7 +45,7 @@ from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from staging import StagingContext
 from staging.buffers import StagingBufferPool
-from tests.sender.test_dpor_clear import EXPLORE, PAGE_BYTES, InstantTransport
+from tests.sender._instant_transport import EXPLORE, PAGE_BYTES, InstantTransport
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -42,7 +42,7 @@ from sender.manager import KVManager, ManagerPurge, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from staging import RoomHandle, StagingContext
-from tests.sender.test_dpor_clear import EXPLORE, PAGE_BYTES, InstantTransport
+from tests.sender._instant_transport import EXPLORE, PAGE_BYTES, InstantTransport
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,128 +7,31 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from sender.errors import PeerNotFoundError, TransferTimeoutError
+from sender.errors import PeerNotFoundError
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
-from sender.notices import RoomNotice, decode_notice
 from sender.poll import KVPoll
-from sender.transport import NixlTransport
 from staging.buffers import PoolExhaustedError, StagingBufferPool
-from staging.context import StagingContext
 from tests import polling
 from tests.fixtures_nixl import PAGE_BYTES, SenderPool, requires_nixl
 from tests.polling import conclude
-from tests.sender.test_dpor_clear import PAGE_BYTES as MEM_PAGE_BYTES
-from tests.sender.test_dpor_clear import InstantTransport
-
-SESSIONS_PAGES = 64
-
-
-SESSIONS_PAGE_BYTES = 4096
-
-
-A, B = "decode-a", "decode-b"
-
-
-@dataclass
-class SessionsRig:
-    tx: NixlTransport
-    rx: NixlTransport
-    kv: torch.Tensor
-    dst: torch.Tensor
-
-    def with_pool(
-        self,
-        num_slots: int,
-        slot_pages: int,
-        page_bytes: int = SESSIONS_PAGE_BYTES,
-        cls: type[StagingBufferPool] = StagingBufferPool,
-        **kw: Any,
-    ) -> Any:
-        pool = cls(num_slots, slot_pages, page_bytes, **kw)
-        self.tx.register_region("staging", pool.tensor, page_bytes)
-        return pool
-
-
-@pytest.fixture
-def sessions_rig() -> Iterator[SessionsRig]:
-    """A prefill transport (KV pool ``kv``) and a decode transport (``kv``), with the decode
-    agent added twice, as sessions A and B (two decode sessions, one agent)."""
-    gen = torch.Generator().manual_seed(25)
-    kv = torch.randint(
-        0, 256, (SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8, generator=gen
-    )
-    dst = torch.zeros((SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8)
-    with NixlTransport("prefill-edge") as tx, NixlTransport("decode-edge") as rx:
-        tx.register_region("kv", kv, SESSIONS_PAGE_BYTES)
-        rx.register_region("kv", dst, SESSIONS_PAGE_BYTES)
-        md = rx.metadata()
-        tx.add_peer(A, md)
-        tx.add_peer(B, md)
-        yield SessionsRig(tx, rx, kv, dst)
-
-
-class HeldTransfer:
-    """A real transfer that answers ``"PROC"`` while its transport holds it."""
-
-    def __init__(self, inner: Any, owner: HeldTransport) -> None:
-        self.inner = inner
-        self.owner = owner
-
-    def poll(self) -> str:
-        state: str = self.inner.poll()  # raises TransferReleasedError once released
-        self.owner.polls += 1
-        return "PROC" if not self.owner.go.is_set() else state
-
-    def release(self) -> None:
-        self.inner.release()
-
-    def settled(self) -> bool:
-        return True
-
-
-class HeldTransport:
-    """The real transport; its writes are :class:`HeldTransfer` (held until ``go``)."""
-
-    def __init__(self, inner: NixlTransport, *, held: bool = True) -> None:
-        self.inner = inner
-        self.go = threading.Event()
-        if not held:
-            self.go.set()
-        self.polls = 0
-        self.transfers: list[HeldTransfer] = []
-
-    def write_pages(self, *args: Any, **kw: Any) -> HeldTransfer:
-        t = HeldTransfer(self.inner.write_pages(*args, **kw), self)
-        self.transfers.append(t)
-        return t
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-def two_session_sender(mgr: KVManager, room: int, n: int, **info_kw: Any) -> NixlKVSender:
-    infos = [
-        make_transfer_info(A, list(range(0, n)), **info_kw),
-        make_transfer_info(B, list(range(n, 2 * n)), **info_kw),
-    ]
-    s = NixlKVSender(mgr, room, [A, B], infos)
-    s.init(n)
-    return s
-
-
-def one_session_sender(mgr: KVManager, room: int, dst: list[int], **info_kw: Any) -> NixlKVSender:
-    s = NixlKVSender(mgr, room, [A], [make_transfer_info(A, dst, **info_kw)])
-    s.init(len(dst))
-    return s
-
+from tests.sender._instant_transport import InstantTransport, _mem_manager
+from tests.sender._real_wrappers import HeldTransport, SignallingPool
+from tests.sender._sessions import SessionsRig, one_session_sender, two_session_sender
+from tests.sender._stub_transport import (
+    BOUND_S,
+    STUB_PAGE_BYTES,
+    StubTransport,
+    _sender,
+    _stub_manager,
+    _stub_wait,
+)
 
 CONCLUDED = polling.CONCLUDED
 
@@ -148,21 +51,6 @@ SWEEP_S = 0.05  # sender.manager._HUNG_SWEEP_S
 TRAFFIC_PERIODS = 200
 
 
-class SignallingPool(StagingBufferPool):
-    """A real staging pool that sets ``waiting`` when a lease finds no free slot (a worker
-    then parks its chunk and tries again; an inline send waits in ``acquire``)."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.waiting = threading.Event()
-
-    def try_acquire(self, owner: Any, **kw: Any) -> Any:
-        slot = super().try_acquire(owner, **kw)
-        if slot is None:
-            self.waiting.set()
-        return slot
-
-
 @pytest.fixture
 def staging_pool(sender_pool: SenderPool) -> Iterator[SignallingPool]:
     pool = SignallingPool(2, 1, PAGE_BYTES)
@@ -175,132 +63,6 @@ def staging_pool(sender_pool: SenderPool) -> Iterator[SignallingPool]:
 
 def _manager(sp: SenderPool, **kw: Any) -> KVManager:
     return KVManager(sp.transport, sp.pool, **kw)
-
-
-STUB_PAGE_BYTES = 16
-
-
-BOUND_S = 10.0
-
-
-def _stub_wait(cond: Callable[[], bool], timeout_s: float = BOUND_S) -> bool:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() >= end:
-            return cond()
-        time.sleep(0.002)
-    return True
-
-
-class StubTransfer:
-    """A posted write. ``state``: ``"PROC"`` (in flight), ``"DONE"``; ``error``: what a poll
-    raises instead (a deadline, a removed peer); ``settled``: whether NIXL is done with it
-    (a hung or kept write is not)."""
-
-    def __init__(self, session_id: str, notif: bytes | None) -> None:
-        self.session_id = session_id
-        self.notif = notif
-        self.state = "PROC"
-        self.error: BaseException | None = None
-        self.is_settled = True
-        self.releases = 0
-        self._lock = threading.Lock()
-
-    def poll(self) -> str:
-        if self.error is not None:
-            raise self.error
-        return self.state
-
-    def settled(self) -> bool:
-        return self.is_settled
-
-    def release(self) -> None:
-        with self._lock:
-            self.releases += 1
-
-    def hang(self) -> None:
-        """Past its deadline while NIXL still has it (a hung peer)."""
-        self.is_settled = False
-        self.error = TransferTimeoutError(self.session_id, 0.0)
-
-    def keep_at_removal(self) -> None:
-        """``remove_peer`` kept it: NIXL still has it, its polls raise PeerNotFoundError."""
-        self.is_settled = False
-        self.error = PeerNotFoundError(self.session_id)
-
-    def land(self) -> None:
-        """NIXL completes it (a resumed peer, a healed link)."""
-        self.error = None
-        self.state = "DONE"
-        self.is_settled = True
-
-
-class StubTransport:
-    """``write_pages`` makes a :class:`StubTransfer` (in flight until the test says
-    otherwise); ``send_notif`` records each room notice with the moment it was sent."""
-
-    def __init__(self) -> None:
-        self.transfers: list[StubTransfer] = []
-        self.notices: list[tuple[str, RoomNotice]] = []
-        self._lock = threading.Lock()
-
-    def write_pages(
-        self,
-        session_id: str,
-        src_pages: Any,
-        dst_pages: Any,
-        notif: bytes | None = None,
-        *,
-        src_region: str = "kv",
-        dst_region: str = "kv",
-        timeout_s: float | None = None,
-    ) -> StubTransfer:
-        xfer = StubTransfer(session_id, notif)
-        with self._lock:
-            self.transfers.append(xfer)
-        return xfer
-
-    def send_notif(self, session_id: str, message: bytes) -> None:
-        with self._lock:
-            self.notices.append((session_id, decode_notice(message)))
-
-    def sent(self) -> list[tuple[int, int, str]]:
-        with self._lock:
-            return [(n.room, n.gen, n.outcome) for _, n in self.notices]
-
-
-_MADE: list[KVManager] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_managers() -> Iterator[None]:
-    yield
-    while _MADE:
-        _MADE.pop().close(1.0)
-
-
-def _stub_manager(transport: StubTransport, **kw: Any) -> KVManager:
-    kw.setdefault("num_workers", 0)
-    kw.setdefault("staging", StagingContext(lock="mutex"))
-    mgr = KVManager(transport, torch.zeros((16, STUB_PAGE_BYTES), dtype=torch.uint8), **kw)
-    _MADE.append(mgr)
-    return mgr
-
-
-def _sender(mgr: KVManager, room: int, session: str = "d0", pages: int = 1) -> NixlKVSender:
-    s = NixlKVSender(mgr, room, [session], [make_transfer_info(session, range(pages))])
-    s.init(pages)
-    return s
-
-
-def _mem_manager(transport: Any, **kw: Any) -> KVManager:
-    return KVManager(
-        transport,
-        torch.zeros((8, MEM_PAGE_BYTES), dtype=torch.uint8),
-        num_workers=0,
-        staging=StagingContext(lock="mutex"),
-        **kw,
-    )
 
 
 @pytest.mark.nixl

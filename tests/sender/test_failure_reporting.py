@@ -3,151 +3,25 @@ its own opening's error, counted once by its outcome, and listeners cannot break
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from sender.errors import TRANSPORT_ERRORS, KVTransferError, TransferTimeoutError
+from sender.errors import TRANSPORT_ERRORS, KVTransferError
 from sender.events import FanOut
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
-from sender.transport import NixlTransport
-from staging.buffers import StagingBufferPool
-from staging.context import RoomHandle, StagingContext
+from staging.context import RoomHandle
 from stress.harness.faults import nixl_error
-from tests.fixtures_nixl import SenderPool, requires_nixl
+from tests.fixtures_nixl import requires_nixl
 from tests.interleave import explore
 from tests.polling import conclude, wait_until
-from tests.sender.test_dpor_clear import PAGE_BYTES as MEM_PAGE_BYTES
-from tests.sender.test_dpor_clear import InstantTransport
-
-SCRIPTED_SESSION = "decode-0"
-
-
-class ScriptedTransfer:
-    """A real transfer whose answers follow the script of its :class:`ScriptedTransport`."""
-
-    def __init__(self, inner: Any, owner: ScriptedTransport, write_no: int) -> None:
-        self.inner = inner
-        self.write_no = write_no
-        self._owner = owner
-
-    @property
-    def held(self) -> bool:
-        return self.write_no in self._owner.hold and not self._owner.unheld.is_set()
-
-    @property
-    def done(self) -> bool:
-        return bool(self.inner.done) and not self.held
-
-    def poll(self) -> str:
-        state: str = self.inner.poll()  # raises TransferReleasedError once released
-        if self.held:
-            if time.monotonic() >= self.inner.started_at + self.inner.timeout_s:
-                raise TransferTimeoutError(self.inner.session_id, self.inner.timeout_s)
-            return "PROC"
-        if state == "DONE" and self.write_no in self._owner.meet:
-            # Only one thread came (the barrier breaks): that is what a fixed sender does.
-            with contextlib.suppress(threading.BrokenBarrierError):
-                self._owner.barrier.wait()
-        return state
-
-    def wait(self, timeout_s: float | None = None, interval_s: float = 0.0002) -> None:
-        end = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.poll() != "DONE":
-            if end is not None and time.monotonic() >= end:
-                raise TimeoutError(f"wait({timeout_s}) elapsed")
-            time.sleep(interval_s)
-
-    def release(self) -> None:
-        self.inner.release()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-class ScriptedTransport:
-    """A real transport whose transfers are held or met by write number (1-based).
-
-    Thread-safe: the write counter is under ``_lock`` (never held while calling NIXL).
-    """
-
-    def __init__(self, inner: Any, *, hold: Sequence[int] = (), meet: Sequence[int] = ()) -> None:
-        self.inner = inner
-        self.hold = frozenset(hold)
-        self.meet = frozenset(meet)
-        self.unheld = threading.Event()
-        self.barrier = threading.Barrier(2, timeout=0.5)
-        self._lock = threading.Lock()
-        self._writes = 0
-        self.transfers: list[ScriptedTransfer] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def __enter__(self) -> ScriptedTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """End every hold, so that workers polling a held transfer can stop."""
-        self.unheld.set()
-
-    def write_pages(
-        self,
-        session_id: str,
-        src_pages: Any,
-        dst_pages: Any,
-        notif: bytes | None = None,
-        **kw: Any,
-    ) -> ScriptedTransfer:
-        with self._lock:
-            self._writes += 1
-            write_no = self._writes
-        xfer = ScriptedTransfer(
-            self.inner.write_pages(session_id, src_pages, dst_pages, notif, **kw), self, write_no
-        )
-        with self._lock:
-            self.transfers.append(xfer)
-        return xfer
-
-
-@dataclass
-class Rig:
-    """The sender transport + pool (``sp``) and an in-process decode peer added as
-    SCRIPTED_SESSION."""
-
-    sp: SenderPool
-    peer: Any  # stress.harness.peer.DecodePeer
-
-    @property
-    def tx(self) -> Any:
-        return self.sp.transport
-
-    @property
-    def kv(self) -> torch.Tensor:
-        return self.sp.pool
-
-
-@pytest.fixture
-def rig(sender_pool: SenderPool, decode_peer: Any) -> Rig:
-    sender_pool.transport.add_peer(SCRIPTED_SESSION, decode_peer.metadata())
-    return Rig(sender_pool, decode_peer)
-
-
-def sender(
-    mgr: KVManager, room: int, dst: Sequence[int], session: str = SCRIPTED_SESSION
-) -> NixlKVSender:
-    s = NixlKVSender(mgr, room, [session], [make_transfer_info(session, dst)])
-    s.init(len(dst))
-    return s
+from tests.sender._instant_transport import InstantTransport, _mem_manager
+from tests.sender._scripted import SCRIPTED_SESSION, Rig, ScriptedTransport, sender
+from tests.sender._sessions import SessionsRig, one_session_sender
 
 
 class _ReopenInTheGap(KVManager):
@@ -184,59 +58,6 @@ class _ReopenInTheGap(KVManager):
         return super().purge_room(room)
 
 
-SESSIONS_PAGES = 64
-
-
-SESSIONS_PAGE_BYTES = 4096
-
-
-A, B = "decode-a", "decode-b"
-
-
-@dataclass
-class SessionsRig:
-    tx: NixlTransport
-    rx: NixlTransport
-    kv: torch.Tensor
-    dst: torch.Tensor
-
-    def with_pool(
-        self,
-        num_slots: int,
-        slot_pages: int,
-        page_bytes: int = SESSIONS_PAGE_BYTES,
-        cls: type[StagingBufferPool] = StagingBufferPool,
-        **kw: Any,
-    ) -> Any:
-        pool = cls(num_slots, slot_pages, page_bytes, **kw)
-        self.tx.register_region("staging", pool.tensor, page_bytes)
-        return pool
-
-
-@pytest.fixture
-def sessions_rig() -> Iterator[SessionsRig]:
-    """A prefill transport (KV pool ``kv``) and a decode transport (``kv``), with the decode
-    agent added twice, as sessions A and B (two decode sessions, one agent)."""
-    gen = torch.Generator().manual_seed(25)
-    kv = torch.randint(
-        0, 256, (SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8, generator=gen
-    )
-    dst = torch.zeros((SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8)
-    with NixlTransport("prefill-edge") as tx, NixlTransport("decode-edge") as rx:
-        tx.register_region("kv", kv, SESSIONS_PAGE_BYTES)
-        rx.register_region("kv", dst, SESSIONS_PAGE_BYTES)
-        md = rx.metadata()
-        tx.add_peer(A, md)
-        tx.add_peer(B, md)
-        yield SessionsRig(tx, rx, kv, dst)
-
-
-def one_session_sender(mgr: KVManager, room: int, dst: list[int], **info_kw: Any) -> NixlKVSender:
-    s = NixlKVSender(mgr, room, [A], [make_transfer_info(A, dst, **info_kw)])
-    s.init(len(dst))
-    return s
-
-
 BLOCK_S = 0.05
 
 
@@ -244,16 +65,6 @@ def _ran(result: Any, label: str) -> None:
     print(f"{label}: {result.schedules} schedules, {result.blocked} blocked")
     assert result.schedules > 1, "the explorer ran no preempted schedule"
     assert not result.failures, result.failures[:3]
-
-
-def _mem_manager(transport: Any, **kw: Any) -> KVManager:
-    return KVManager(
-        transport,
-        torch.zeros((8, MEM_PAGE_BYTES), dtype=torch.uint8),
-        num_workers=0,
-        staging=StagingContext(lock="mutex"),
-        **kw,
-    )
 
 
 class StalePopVsReopen:

@@ -4,7 +4,8 @@ scheduler-thread methods while a first one is inside, and says which two threads
 
 The first thread is held inside ``send()`` by a manager whose ``submit_chunk`` waits on an
 event, so the overlap is certain, not a matter of timing. The transport is the in-memory
-stand-in of ``tests/sender/test_dpor_clear.py``; inline mode (``num_workers=0``) starts no thread.
+stand-in of ``tests/sender/_instant_transport.py``; inline mode (``num_workers=0``) starts no
+thread.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.poll import KVPoll
 from staging import StagingContext
-from tests.sender.test_dpor_clear import PAGE_BYTES, InstantTransport
+from tests.sender._instant_transport import PAGE_BYTES, InstantTransport
 
 pytestmark = pytest.mark.timeout(60)
 

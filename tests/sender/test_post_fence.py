@@ -4,73 +4,19 @@ The exhaustive explorations of the fence are in ``tests/sender/test_dpor_post_fe
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
-import torch
 
 from sender.errors import KVTransferError
-from sender.manager import KVManager, make_transfer_info
-from sender.nixl_sender import NixlKVSender
+from sender.manager import KVManager
 from sender.poll import KVPoll
-from staging.buffers import StagingBufferPool, StagingSlot
-from tests.fixtures_nixl import PAGE_BYTES, SenderPool, requires_nixl
+from tests.fixtures_nixl import PAGE_BYTES, requires_nixl
 from tests.polling import conclude, wait_until
+from tests.sender._real_wrappers import SignallingPool
+from tests.sender._scripted import Rig, sender
 
 pytestmark = [pytest.mark.nixl, requires_nixl]
-
-
-SCRIPTED_SESSION = "decode-0"
-
-
-class SignallingPool(StagingBufferPool):
-    """A real staging pool that sets ``waiting`` when a lease finds no free slot (a worker
-    then parks its chunk and tries again; an inline send waits in ``acquire``)."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.waiting = threading.Event()
-
-    def try_acquire(self, owner: Any, **kw: Any) -> StagingSlot | None:
-        slot = super().try_acquire(owner, **kw)
-        if slot is None:
-            self.waiting.set()
-        return slot
-
-
-@dataclass
-class Rig:
-    """The sender transport + pool (``sp``) and an in-process decode peer added as
-    SCRIPTED_SESSION."""
-
-    sp: SenderPool
-    peer: Any  # stress.harness.peer.DecodePeer
-
-    @property
-    def tx(self) -> Any:
-        return self.sp.transport
-
-    @property
-    def kv(self) -> torch.Tensor:
-        return self.sp.pool
-
-
-@pytest.fixture
-def rig(sender_pool: SenderPool, decode_peer: Any) -> Rig:
-    sender_pool.transport.add_peer(SCRIPTED_SESSION, decode_peer.metadata())
-    return Rig(sender_pool, decode_peer)
-
-
-def sender(
-    mgr: KVManager, room: int, dst: Sequence[int], session: str = SCRIPTED_SESSION
-) -> NixlKVSender:
-    s = NixlKVSender(mgr, room, [session], [make_transfer_info(session, dst)])
-    s.init(len(dst))
-    return s
 
 
 @pytest.mark.timeout(30)

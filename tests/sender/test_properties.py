@@ -565,7 +565,7 @@ def test_sends_racing_close_every_submitted_chunk_ends() -> None:
     chunks back to back while ``close()`` runs (switch interval 1 µs), 300 times; once both
     returned, every submitted chunk has ended (done, failed, skipped or drained). (In-memory
     transport: 300 managers; the same queueing runs over real NIXL in the stress suite.)"""
-    from tests.sender.test_dpor_clear import InstantTransport
+    from tests.sender._instant_transport import InstantTransport
 
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")

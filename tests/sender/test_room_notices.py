@@ -27,11 +27,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-import torch
 
-from sender.errors import PeerNotFoundError, TransferTimeoutError
-from sender.manager import KVManager, make_transfer_info
-from sender.nixl_sender import NixlKVSender
 from sender.notices import (
     CODES,
     MAX_NOTICE_BYTES,
@@ -44,11 +40,10 @@ from sender.notices import (
 )
 from sender.notifier import Notifier
 from sender.poll import KVPoll
-from staging import StagingContext
 from tests.fixtures_nixl import PAGE_BYTES, SenderPool, make_sender_pool, requires_nixl
 from tests.interleave import explore
-from tests.sender.test_dpor_clear import PAGE_BYTES as MEM_PAGE_BYTES
-from tests.sender.test_dpor_clear import InstantTransport
+from tests.sender._instant_transport import InstantTransport, _mem_manager
+from tests.sender._stub_transport import BOUND_S, StubTransport, _sender, _stub_manager, _stub_wait
 
 # --------------------------------------------------------------------------- wire format
 
@@ -699,124 +694,8 @@ def test_decode_told_waits_for_the_notifier_backlog_and_still_finds_a_lost_notic
     assert counts["notifier_stuck"] == 0
 
 
-STUB_PAGE_BYTES = 16
-
-
-BOUND_S = 10.0
-
-
-def _stub_wait(cond: Callable[[], bool], timeout_s: float = BOUND_S) -> bool:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() >= end:
-            return cond()
-        time.sleep(0.002)
-    return True
-
-
-class StubTransfer:
-    """A posted write. ``state``: ``"PROC"`` (in flight), ``"DONE"``; ``error``: what a poll
-    raises instead (a deadline, a removed peer); ``settled``: whether NIXL is done with it
-    (a hung or kept write is not)."""
-
-    def __init__(self, session_id: str, notif: bytes | None) -> None:
-        self.session_id = session_id
-        self.notif = notif
-        self.state = "PROC"
-        self.error: BaseException | None = None
-        self.is_settled = True
-        self.releases = 0
-        self._lock = threading.Lock()
-
-    def poll(self) -> str:
-        if self.error is not None:
-            raise self.error
-        return self.state
-
-    def settled(self) -> bool:
-        return self.is_settled
-
-    def release(self) -> None:
-        with self._lock:
-            self.releases += 1
-
-    def hang(self) -> None:
-        """Past its deadline while NIXL still has it (a hung peer)."""
-        self.is_settled = False
-        self.error = TransferTimeoutError(self.session_id, 0.0)
-
-    def keep_at_removal(self) -> None:
-        """``remove_peer`` kept it: NIXL still has it, its polls raise PeerNotFoundError."""
-        self.is_settled = False
-        self.error = PeerNotFoundError(self.session_id)
-
-    def land(self) -> None:
-        """NIXL completes it (a resumed peer, a healed link)."""
-        self.error = None
-        self.state = "DONE"
-        self.is_settled = True
-
-
-class StubTransport:
-    """``write_pages`` makes a :class:`StubTransfer` (in flight until the test says
-    otherwise); ``send_notif`` records each room notice with the moment it was sent."""
-
-    def __init__(self) -> None:
-        self.transfers: list[StubTransfer] = []
-        self.notices: list[tuple[str, RoomNotice]] = []
-        self._lock = threading.Lock()
-
-    def write_pages(
-        self,
-        session_id: str,
-        src_pages: Any,
-        dst_pages: Any,
-        notif: bytes | None = None,
-        *,
-        src_region: str = "kv",
-        dst_region: str = "kv",
-        timeout_s: float | None = None,
-    ) -> StubTransfer:
-        xfer = StubTransfer(session_id, notif)
-        with self._lock:
-            self.transfers.append(xfer)
-        return xfer
-
-    def send_notif(self, session_id: str, message: bytes) -> None:
-        with self._lock:
-            self.notices.append((session_id, decode_notice(message)))
-
-    def sent(self) -> list[tuple[int, int, str]]:
-        with self._lock:
-            return [(n.room, n.gen, n.outcome) for _, n in self.notices]
-
-
-_MADE: list[KVManager] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_managers() -> Iterator[None]:
-    yield
-    while _MADE:
-        _MADE.pop().close(1.0)
-
-
 def _told_at_least(transport: StubTransport, n: int) -> bool:
     return len(transport.sent()) >= n
-
-
-def _stub_manager(transport: StubTransport, **kw: Any) -> KVManager:
-    kw.setdefault("num_workers", 0)
-    kw.setdefault("staging", StagingContext(lock="mutex"))
-    mgr = KVManager(transport, torch.zeros((16, STUB_PAGE_BYTES), dtype=torch.uint8), **kw)
-    _MADE.append(mgr)
-    return mgr
-
-
-def _sender(mgr: KVManager, room: int, session: str = "d0", pages: int = 1) -> NixlKVSender:
-    s = NixlKVSender(mgr, room, [session], [make_transfer_info(session, range(pages))])
-    s.init(pages)
-    return s
 
 
 JOIN_S = 30.0
@@ -897,16 +776,6 @@ class NotifyingTransport(InstantTransport):
 
     def peer_disconnected(self, session_id: str) -> bool:
         return session_id in self.dead
-
-
-def _mem_manager(transport: Any, **kw: Any) -> KVManager:
-    return KVManager(
-        transport,
-        torch.zeros((8, MEM_PAGE_BYTES), dtype=torch.uint8),
-        num_workers=0,
-        staging=StagingContext(lock="mutex"),
-        **kw,
-    )
 
 
 @pytest.mark.timeout(120)

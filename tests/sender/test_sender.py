@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ from staging.buffers import StagingBufferPool
 from stress.harness.faults import FaultInjectingTransport, nixl_error
 from tests.fixtures_nixl import requires_nixl
 from tests.polling import conclude
+from tests.sender._sessions import SessionsRig, one_session_sender
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
 
@@ -436,53 +436,6 @@ def test_late_writes_after_purge_are_refused(rig: Rig) -> None:
 def test_nixl_is_really_used() -> None:
     assert _nixl.AVAILABLE
     assert np.dtype(np.int64).itemsize == 8
-
-
-SESSIONS_PAGES = 64
-
-
-SESSIONS_PAGE_BYTES = 4096
-
-
-A, B = "decode-a", "decode-b"
-
-
-@dataclass
-class SessionsRig:
-    tx: NixlTransport
-    rx: NixlTransport
-    kv: torch.Tensor
-    dst: torch.Tensor
-
-    def with_pool(self, num_slots: int, slot_pages: int, page_bytes: int = SESSIONS_PAGE_BYTES,
-                  cls: type[StagingBufferPool] = StagingBufferPool, **kw: Any) -> Any:
-        pool = cls(num_slots, slot_pages, page_bytes, **kw)
-        self.tx.register_region("staging", pool.tensor, page_bytes)
-        return pool
-
-
-@pytest.fixture
-def sessions_rig() -> Iterator[SessionsRig]:
-    """A prefill transport (KV pool ``kv``) and a decode transport (``kv``), with the decode
-    agent added twice, as sessions A and B (two decode sessions, one agent)."""
-    gen = torch.Generator().manual_seed(25)
-    kv = torch.randint(
-        0, 256, (SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8, generator=gen
-    )
-    dst = torch.zeros((SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8)
-    with NixlTransport("prefill-edge") as tx, NixlTransport("decode-edge") as rx:
-        tx.register_region("kv", kv, SESSIONS_PAGE_BYTES)
-        rx.register_region("kv", dst, SESSIONS_PAGE_BYTES)
-        md = rx.metadata()
-        tx.add_peer(A, md)
-        tx.add_peer(B, md)
-        yield SessionsRig(tx, rx, kv, dst)
-
-
-def one_session_sender(mgr: KVManager, room: int, dst: list[int], **info_kw: Any) -> NixlKVSender:
-    s = NixlKVSender(mgr, room, [A], [make_transfer_info(A, dst, **info_kw)])
-    s.init(len(dst))
-    return s
 
 
 @requires_nixl

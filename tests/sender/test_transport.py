@@ -8,8 +8,6 @@ import gc
 import random
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,9 +29,9 @@ from sender.errors import (
     classify,
 )
 from sender.transport import NixlTransport, decode_metadata
-from staging.buffers import StagingBufferPool
 from stress.harness.faults import nixl_error
 from tests.fixtures_nixl import NUM_PAGES, PAGE_BYTES, SenderPool, requires_nixl
+from tests.sender._sessions import A, SessionsRig
 
 pytestmark = [pytest.mark.nixl, requires_nixl]
 
@@ -500,47 +498,6 @@ def test_refused_release_is_kept_and_retried_at_close(decode_peer: Any) -> None:
     assert refusing.released == []
     tr.close()
     assert refusing.released != [] and len(refusing.released) == 1  # retried once at close
-
-
-SESSIONS_PAGES = 64
-
-
-SESSIONS_PAGE_BYTES = 4096
-
-
-A, B = "decode-a", "decode-b"
-
-
-@dataclass
-class SessionsRig:
-    tx: NixlTransport
-    rx: NixlTransport
-    kv: torch.Tensor
-    dst: torch.Tensor
-
-    def with_pool(self, num_slots: int, slot_pages: int, page_bytes: int = SESSIONS_PAGE_BYTES,
-                  cls: type[StagingBufferPool] = StagingBufferPool, **kw: Any) -> Any:
-        pool = cls(num_slots, slot_pages, page_bytes, **kw)
-        self.tx.register_region("staging", pool.tensor, page_bytes)
-        return pool
-
-
-@pytest.fixture
-def sessions_rig() -> Iterator[SessionsRig]:
-    """A prefill transport (KV pool ``kv``) and a decode transport (``kv``), with the decode
-    agent added twice, as sessions A and B (two decode sessions, one agent)."""
-    gen = torch.Generator().manual_seed(25)
-    kv = torch.randint(
-        0, 256, (SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8, generator=gen
-    )
-    dst = torch.zeros((SESSIONS_PAGES, SESSIONS_PAGE_BYTES), dtype=torch.uint8)
-    with NixlTransport("prefill-edge") as tx, NixlTransport("decode-edge") as rx:
-        tx.register_region("kv", kv, SESSIONS_PAGE_BYTES)
-        rx.register_region("kv", dst, SESSIONS_PAGE_BYTES)
-        md = rx.metadata()
-        tx.add_peer(A, md)
-        tx.add_peer(B, md)
-        yield SessionsRig(tx, rx, kv, dst)
 
 
 @pytest.mark.timeout(30)
