@@ -169,18 +169,11 @@ class KVManager:
         self.kv_pool = kv_pool
         self.staging = staging if staging is not None else StagingContext(debug=debug)
         self.staging_pool = staging_pool
-        self._transfer_timeout_s = float(transfer_timeout_s)
-        self._slot_timeout_s = float(slot_timeout_s)
         num_slots = staging_pool.num_slots if staging_pool is not None else 1
         if session_slots is None:
             session_slots = max(1, num_slots // 2)
         elif not 1 <= check_index(session_slots, "session_slots") <= num_slots:
             raise ValueError(f"session_slots must be in [1, {num_slots}], got {session_slots}")
-        self._session_slots = int(session_slots)
-        self._poll_interval_s = None if poll_interval_s is None else float(poll_interval_s)
-        self._kv_region = kv_region
-        self._staging_region = staging_region
-        self._fail_session_on_disconnect = bool(fail_session_on_disconnect)
         send_notif = getattr(transport, "send_notif", None)
         disconnected = getattr(transport, "peer_disconnected", None)
         self.notifier = Notifier(
@@ -203,48 +196,48 @@ class KVManager:
             kv_pool,
             staging_pool=staging_pool,
             num_workers=num_workers,
-            transfer_timeout_s=self._transfer_timeout_s,
-            slot_timeout_s=self._slot_timeout_s,
-            session_slots=self._session_slots,
-            poll_interval_s=self._poll_interval_s,
+            transfer_timeout_s=float(transfer_timeout_s),
+            slot_timeout_s=float(slot_timeout_s),
+            session_slots=int(session_slots),
+            poll_interval_s=None if poll_interval_s is None else float(poll_interval_s),
             kv_region=kv_region,
             staging_region=staging_region,
-            fail_session_on_disconnect=fail_session_on_disconnect,
+            fail_session_on_disconnect=bool(fail_session_on_disconnect),
         )
         self._workers = self.pipeline.workers
 
     # ------------------------------------------------------------------ read-only views
 
-    # The settings are fixed at construction (the pipeline and workers hold them): read-only,
-    # so that assigning one raises instead of doing nothing.
+    # The settings live in the pipeline, whose workers read them; the manager shows them
+    # read-only, fixed at construction.
 
     @property
     def transfer_timeout_s(self) -> float:
-        return self._transfer_timeout_s
+        return self.pipeline.transfer_timeout_s
 
     @property
     def slot_timeout_s(self) -> float:
-        return self._slot_timeout_s
+        return self.pipeline.slot_timeout_s
 
     @property
     def session_slots(self) -> int:
-        return self._session_slots
+        return self.pipeline.session_slots
 
     @property
     def poll_interval_s(self) -> float | None:
-        return self._poll_interval_s
+        return self.pipeline.poll_interval_s
 
     @property
     def kv_region(self) -> str:
-        return self._kv_region
+        return self.pipeline.kv_region
 
     @property
     def staging_region(self) -> str:
-        return self._staging_region
+        return self.pipeline.staging_region
 
     @property
     def fail_session_on_disconnect(self) -> bool:
-        return self._fail_session_on_disconnect
+        return self.pipeline.fail_session_on_disconnect
 
     @property
     def num_workers(self) -> int:
