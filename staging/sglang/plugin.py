@@ -64,10 +64,7 @@ class Plan:
 
     def summary(self) -> str:
         """The INFO line of a plan that applies."""
-        parts = [
-            f"{t.path.rsplit('.', 2)[-2]}.{t.path.rsplit('.', 1)[-1]} ({t.hook_type})"
-            for t, _ in self.hooks
-        ]
+        parts = [f"{'.'.join(t.path.rsplit('.', 2)[-2:])} ({t.hook_type})" for t, _ in self.hooks]
         return (
             f"nixl-staging plugin applied to sglang {self.release}: "
             + "; ".join(parts)
