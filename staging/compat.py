@@ -200,8 +200,6 @@ class _CompatCore(StagingContext):
 
     def _check_batch_strict(self, rooms: Iterable[int]) -> None:
         """Strict mode: raise before any change if one room of the batch would be refused."""
-        if not self._strict:
-            return
         for room in rooms:
             if room not in self._rooms and room in self._tombstones:
                 self._room_for_write(room)  # counts and raises
@@ -233,10 +231,6 @@ class _CompatCore(StagingContext):
         self._close_if_empty(room, state)
         return True
 
-    def _has_key(self, key: PrefetchKey) -> bool:
-        state = self._rooms.get(key[0])
-        return state is not None and (key[1], key[2]) in state.requests
-
     def _add_mark_locked(self, room: int) -> bool | _Refusal:
         state = self._room_for_write(room)
         if isinstance(state, _Refusal):
@@ -256,39 +250,38 @@ class _CompatCore(StagingContext):
         self._close_if_empty(room, state)
         return True
 
-    def _has_mark(self, room: int) -> bool:
-        state = self._rooms.get(room)
-        return state is not None and state.prefetched
+    def _ops(
+        self, rooms_view: bool
+    ) -> tuple[Callable[[Any], bool | _Refusal], Callable[[Any], bool]]:
+        """One view's per-element add and discard (write lock held when called)."""
+        if rooms_view:
+            return self._add_mark_locked, self._discard_mark_locked
+        return self._add_key_locked, self._discard_key_locked
 
-    # ---------------------------------------------------------------- single writes
+    def _items_locked(self, rooms_view: bool) -> Iterator[Any]:
+        """Every element of one view. Lock held; materialise before mutating."""
+        if rooms_view:
+            return (room for room, state in self._rooms.items() if state.prefetched)
+        return (
+            (room, chunk_idx, session)
+            for room, state in self._rooms.items()
+            for chunk_idx, session in state.requests
+        )
 
-    def add_request(self, room: int, chunk_idx: int, session_id: str) -> bool:
-        """Test-and-add one key. Raises: RoomPurgedError (strict, tombstoned room)."""
+    # ---------------------------------------------------------------- writes of one view
+
+    def add_one(self, rooms_view: bool, item: Any) -> bool:
+        """Test-and-add one element. Raises: RoomPurgedError (strict, tombstoned room)."""
         with self._lock.write():
-            done = self._add_key_locked((room, chunk_idx, session_id))
+            done = self._ops(rooms_view)[0](item)
         if done is _Refusal.LOG:
-            _log_refusals((room,), self._tombstone_capacity)
+            _log_refusals((item if rooms_view else item[0],), self._tombstone_capacity)
         return done is True
 
-    def discard_request(self, room: int, chunk_idx: int, session_id: str) -> bool:
-        """Remove one key if present."""
+    def discard_one(self, rooms_view: bool, item: Any) -> bool:
+        """Remove one element if present."""
         with self._lock.write():
-            return self._discard_key_locked((room, chunk_idx, session_id))
-
-    def add_prefetched(self, room: int) -> bool:
-        """Mark the room prefetched. Raises: RoomPurgedError (strict, tombstoned room)."""
-        with self._lock.write():
-            done = self._add_mark_locked(room)
-        if done is _Refusal.LOG:
-            _log_refusals((room,), self._tombstone_capacity)
-        return done is True
-
-    def discard_prefetched(self, room: int) -> bool:
-        """Unmark the room if marked."""
-        with self._lock.write():
-            return self._discard_mark_locked(room)
-
-    # ---------------------------------------------------------------- batched writes
+            return self._ops(rooms_view)[1](item)
 
     def write_many(
         self,
@@ -305,13 +298,7 @@ class _CompatCore(StagingContext):
         Raises:
             RoomPurgedError: strict mode, an added element's room is tombstoned (no change).
         """
-        add: Callable[[Any], bool | _Refusal]
-        discard: Callable[[Any], bool]
-        has: Callable[[Any], bool]
-        if rooms_view:
-            add, discard, has = self._add_mark_locked, self._discard_mark_locked, self._has_mark
-        else:
-            add, discard, has = self._add_key_locked, self._discard_key_locked, self._has_key
+        add, discard = self._ops(rooms_view)
         added = 0
         to_log: list[int] = []
         # mutant-site: write-many
@@ -326,8 +313,7 @@ class _CompatCore(StagingContext):
                         discard(item)
             for flip, items in ((False, adds), (True, toggles)):
                 for item in items:
-                    if flip and has(item):
-                        discard(item)
+                    if flip and discard(item):
                         continue
                     done = add(item)
                     if done is True:
@@ -337,63 +323,22 @@ class _CompatCore(StagingContext):
         _log_refusals(to_log, self._tombstone_capacity)
         return added
 
-    def _items_locked(self, rooms_view: bool) -> Iterator[Any]:
-        """Every element of one view. Lock held; materialise before mutating."""
-        if rooms_view:
-            return (room for room, state in self._rooms.items() if state.prefetched)
-        return (
-            (room, chunk_idx, session)
-            for room, state in self._rooms.items()
-            for chunk_idx, session in state.requests
-        )
-
-    # ---------------------------------------------------------------- pop, clear, reads
-
     def pop_item(self, rooms_view: bool) -> Any:
         """Remove and return some element of one view. Raises: KeyError (empty)."""
-        discard = self._discard_mark_locked if rooms_view else self._discard_key_locked
         with self._lock.write():
             for item in self._items_locked(rooms_view):
-                discard(item)
+                self._ops(rooms_view)[1](item)
                 return item  # before the iteration over _rooms goes on
         name = "prefetched_rooms" if rooms_view else "prefetch_requested"
         raise KeyError(f"pop from an empty {name}")
 
-    def clear_view(self, rooms_view: bool) -> None:
-        """Empty one view; the rooms left empty close (lock-free reads may see it room by
-        room). Clearing every key empties the whole session index at once."""
-        with self._lock.write():
-            emptied = []
-            for room, state in self._rooms.items():
-                if rooms_view:
-                    state.prefetched = False
-                else:
-                    state.requests.clear()
-                if not state.prefetched and not state.requests:
-                    emptied.append(room)
-            for room in emptied:
-                del self._rooms[room]
-            if rooms_view:
-                self._prefetched_count = 0
-            else:
-                self._session_rooms.clear()
-                self._requested_keys = 0
-
-    def requested_snapshot(self) -> frozenset[PrefetchKey]:
+    def view_snapshot(self, rooms_view: bool) -> frozenset[Any]:
         with self._lock.read():
-            return self._requested_unlocked()
+            return frozenset(self._items_locked(rooms_view))
 
-    def requested_len(self) -> int:
+    def view_len(self, rooms_view: bool) -> int:
         with self._lock.read():
-            return self._requested_keys
-
-    def prefetched_snapshot(self) -> frozenset[int]:
-        with self._lock.read():
-            return frozenset(room for room, state in self._rooms.items() if state.prefetched)
-
-    def prefetched_len(self) -> int:
-        with self._lock.read():
-            return self._prefetched_count
+            return self._prefetched_count if rooms_view else self._requested_keys
 
     # ---------------------------------------------------------------- purge and reopen
 
@@ -521,20 +466,23 @@ class _SetView(MutableSet[T], Generic[T]):
         # The context's room dict is never rebound, so its bound .get stays valid.
         self._get: Callable[[Any], _Room | None] = core._rooms.get
 
-    # hooks ---------------------------------------------------------------------------
     def _check(self, value: object, bools: bool = False) -> T:
         """``value`` as an exact element (``bools``: lookups read bools as 0/1)."""
         raise NotImplementedError
 
     def _test_and_add(self, item: T) -> bool:
-        raise NotImplementedError
+        return self._core.add_one(self._ROOMS, item)
 
     def _discard(self, item: T) -> bool:
-        raise NotImplementedError
+        return self._core.discard_one(self._ROOMS, item)
+
+    def __len__(self) -> int:
+        """Thread-safe; read lock; O(1)."""
+        return self._core.view_len(self._ROOMS)
 
     def snapshot(self) -> frozenset[T]:
-        """A frozen copy of the whole set, taken under one read lock. Thread-safe; O(n)."""
-        raise NotImplementedError
+        """Frozen copy under one read lock. Thread-safe; O(n)."""
+        return self._core.view_snapshot(self._ROOMS)
 
     # writes --------------------------------------------------------------------------
     def add(self, value: T) -> None:
@@ -582,7 +530,7 @@ class _SetView(MutableSet[T], Generic[T]):
     def clear(self) -> None:
         """Remove every element; the other view keeps its own (keys, marks). Thread-safe;
         one critical section; lock-free ``in`` may see it room by room."""
-        self._core.clear_view(self._ROOMS)
+        self._core.write_many(self._ROOMS, keep=frozenset())
 
     def update(self, *others: Iterable[T]) -> None:
         """Add every element of ``others`` under ONE write lock; tombstoned rooms' elements
@@ -767,22 +715,8 @@ class PrefetchedRoomsView(_SetView[int]):
         state = self._get(room)
         return state is not None and state.prefetched
 
-    def __len__(self) -> int:
-        """Thread-safe; read lock; O(1)."""
-        return self._core.prefetched_len()
-
     def _check(self, value: object, bools: bool = False) -> int:
         return _room_id(value, bools)
-
-    def _test_and_add(self, item: int) -> bool:
-        return self._core.add_prefetched(item)
-
-    def _discard(self, item: int) -> bool:
-        return self._core.discard_prefetched(item)
-
-    def snapshot(self) -> frozenset[int]:
-        """Frozen copy under one read lock. Thread-safe."""
-        return self._core.prefetched_snapshot()
 
 
 class PrefetchRequestedView(_SetView[PrefetchKey]):
@@ -801,22 +735,8 @@ class PrefetchRequestedView(_SetView[PrefetchKey]):
             return tuple(key) in self
         return False
 
-    def __len__(self) -> int:
-        """Thread-safe; read lock; O(1)."""
-        return self._core.requested_len()
-
     def _check(self, value: object, bools: bool = False) -> PrefetchKey:
         return _key(value, bools)
-
-    def _test_and_add(self, item: PrefetchKey) -> bool:
-        return self._core.add_request(*item)
-
-    def _discard(self, item: PrefetchKey) -> bool:
-        return self._core.discard_request(*item)
-
-    def snapshot(self) -> frozenset[PrefetchKey]:
-        """Frozen copy under one read lock. Thread-safe."""
-        return self._core.requested_snapshot()
 
 
 class CompatStagingContext(FixedViews):

@@ -45,9 +45,7 @@ class LockedDictView(MutableMapping[Any, Any]):
 
     def __getitem__(self, key: object) -> Any:
         """Raises: KeyError: absent; TypeError: unhashable key."""
-        k = _hashable(key)
-        with self._lock:
-            value = self._data.get(k, _MISSING)
+        value = self.get(key, _MISSING)
         if value is _MISSING:
             raise KeyError(key)
         return value
@@ -74,11 +72,7 @@ class LockedDictView(MutableMapping[Any, Any]):
 
     def __delitem__(self, key: object) -> None:
         """Raises: KeyError: absent; TypeError: unhashable key."""
-        k = _hashable(key)
-        with self._lock:
-            old = self._data.pop(k, _MISSING)
-        if old is _MISSING:
-            raise KeyError(key)
+        self.pop(key)  # the value is released after the lock
 
     def pop(self, key: object, default: Any = _MISSING) -> Any:
         """Remove and return the value; ``default`` if absent and given.

@@ -324,8 +324,7 @@ with self._lock.write():
                 discard(item)
     for flip, items in ((False, adds), (True, toggles)):
         for item in items:
-            if flip and has(item):
-                discard(item)
+            if flip and discard(item):
                 continue
             done = add(item)
             if done is True:
@@ -365,8 +364,7 @@ with self._lock.write():
                 discard(item)
     for flip, items in ((False, adds), (True, toggles)):
         for item in items:
-            if flip and has(item):
-                discard(item)
+            if flip and discard(item):
                 continue
             done = add(item)
             if done is True:

@@ -80,18 +80,11 @@ def _on_base(
     return made
 
 
+_FIELD_ARGS = ("init", "repr", "hash", "compare", "metadata", "default", "default_factory")
+
+
 def _field_copy(f: dataclasses.Field[Any]) -> tuple[str, Any, dataclasses.Field[Any]]:
-    kwargs: dict[str, Any] = {
-        "init": f.init,
-        "repr": f.repr,
-        "hash": f.hash,
-        "compare": f.compare,
-        "metadata": f.metadata,
-    }
-    if f.default is not dataclasses.MISSING:
-        kwargs["default"] = f.default
-    if f.default_factory is not dataclasses.MISSING:
-        kwargs["default_factory"] = f.default_factory
+    kwargs = {a: getattr(f, a) for a in _FIELD_ARGS if getattr(f, a) is not dataclasses.MISSING}
     return f.name, f.type, dataclasses.field(**kwargs)
 
 

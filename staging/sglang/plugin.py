@@ -64,10 +64,7 @@ class Plan:
 
     def summary(self) -> str:
         """The INFO line of a plan that applies."""
-        parts = [
-            f"{t.path.rsplit('.', 2)[-2]}.{t.path.rsplit('.', 1)[-1]} ({t.hook_type})"
-            for t, _ in self.hooks
-        ]
+        parts = [f"{'.'.join(t.path.rsplit('.', 2)[-2:])} ({t.hook_type})" for t, _ in self.hooks]
         return (
             f"nixl-staging plugin applied to sglang {self.release}: "
             + "; ".join(parts)
@@ -144,6 +141,7 @@ def plan(release: str | None = None, *, check_fingerprints: bool = True) -> Plan
     if release is None:
         result.problem = f"sglang is not installed (supported releases: {supported})"
         return result
+    where = f"sglang {release} (supported: {supported})"
     targets = RELEASES.get(release)
     if targets is None:
         result.problem = (
@@ -152,15 +150,12 @@ def plan(release: str | None = None, *, check_fingerprints: bool = True) -> Plan
             f"(staging/sglang/releases.py). {use_a_supported_release()}"
         )
         return result
-    resolved: dict[str, object] = {}
+    resolved: list[tuple[Target, object]] = []
     for target in targets:
         try:
             obj = resolve(target.path)
         except Exception as exc:  # any import or attribute failure means: does not apply
-            result.problem = (
-                f"sglang {release} (supported: {supported}): missing target {target.path} "
-                f"({type(exc).__name__}: {exc})"
-            )
+            result.problem = f"{where}: missing target {target.path} ({type(exc).__name__}: {exc})"
             return result
         if check_fingerprints:
             try:
@@ -169,42 +164,43 @@ def plan(release: str | None = None, *, check_fingerprints: bool = True) -> Plan
                 got = f"unreadable ({exc})"
             if got != target.fingerprint:
                 result.problem = (
-                    f"sglang {release} (supported: {supported}): target {target.path} is not "
-                    f"the released code the plugin was written against (fingerprint {got}, "
-                    f"expected {target.fingerprint})"
+                    f"{where}: target {target.path} is not the released code the plugin was "
+                    f"written against (fingerprint {got}, expected {target.fingerprint})"
                 )
                 return result
-        resolved[target.path] = obj
+        resolved.append((target, obj))
         result.checked.append(target)
     try:
-        for target in targets:
-            if target.hook is None:
-                continue
-            result.hooks.append((target, _make(target, resolved)))
+        for target, obj in resolved:
+            if target.hook is not None:
+                result.hooks.append((target, _make(target, obj)))
     except Exception as exc:  # a released object not as the hook expects: does not apply
         result.hooks.clear()
         result.problem = (
-            f"sglang {release} (supported: {supported}): cannot build the hook of "
-            f"{target.path} ({type(exc).__name__}: {exc})"
+            f"{where}: cannot build the hook of {target.path} ({type(exc).__name__}: {exc})"
         )
     return result
 
 
-def _make(target: Target, resolved: dict[str, object]) -> Callable[..., Any] | type:
-    """The hook of ``target``, from the resolved objects. Raises: ValueError, TypeError."""
-    obj = resolved[target.path]
-    if target.hook == "staging_class":
+_CLASS_HOOKS: Final = {
+    "staging_class": hooks.staging_class,
+    "decode_staging_class": hooks.decode_staging_class,
+}
+_WRAPPER_HOOKS: Final = {
+    "purge_then_clear": hooks.purge_then_clear,
+    "lift_on_new_sender": hooks.lift_on_new_sender,
+}
+
+
+def _make(target: Target, obj: object) -> Callable[..., Any] | type:
+    """The hook of ``target`` from its resolved object. Raises: ValueError, TypeError."""
+    hook = str(target.hook)
+    if hook in _CLASS_HOOKS:
         if not isinstance(obj, type):
             raise TypeError(f"{target.path} is not a class")
-        return hooks.staging_class(obj)
-    if target.hook == "decode_staging_class":
-        if not isinstance(obj, type):
-            raise TypeError(f"{target.path} is not a class")
-        return hooks.decode_staging_class(obj)
-    if target.hook == "purge_then_clear":
-        return hooks.purge_then_clear()
-    if target.hook == "lift_on_new_sender":
-        return hooks.lift_on_new_sender()
+        return _CLASS_HOOKS[hook](obj)
+    if hook in _WRAPPER_HOOKS:
+        return _WRAPPER_HOOKS[hook]()
     raise ValueError(f"unknown hook {target.hook!r}")
 
 

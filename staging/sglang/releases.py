@@ -17,48 +17,6 @@ _COMMON = "sglang.srt.disaggregation.common.conn"
 _NIXL = "sglang.srt.disaggregation.nixl.conn"
 
 
-def _decode() -> tuple[Target, ...]:
-    """The decode side's targets (the same in 0.5.21 and 0.5.23)."""
-    return (
-        Target(
-            f"{_SH}.DecodeStagingContext",
-            "decode_staging_class",
-            "REPLACE",
-            "3f3ec82d41bd97ab",
-            "the decode staging dataclass -> a DecodeCompatContext (room_bootstrap and "
-            "room_receivers: locked views on one lock)",
-        ),
-        Target(
-            f"{_NIXL}.NixlKVManager.register_staging_room_bootstrap",
-            None,
-            None,
-            "855821cdb4fe4cb6",
-            "relied on: one item assignment per dict (decode scheduler)",
-        ),
-        Target(
-            f"{_SH}.DecodeStagingHandler.unregister_decode_req",
-            None,
-            None,
-            "0a731d40068007d6",
-            "relied on: one pop(room, None) per dict (decode scheduler)",
-        ),
-        Target(
-            f"{_SH}.StagingManagerMixin._handle_staging_req",
-            None,
-            None,
-            "8805d70754002f87",
-            "relied on: get(room) only, and passes the two dicts on (decode listener)",
-        ),
-        Target(
-            f"{_SH}.handle_staging_req",
-            None,
-            None,
-            "eea646b45a871132",
-            "relied on: get(room) only on each dict (decode listener)",
-        ),
-    )
-
-
 @dataclass(frozen=True)
 class Target:
     """One upstream object the plugin relies on."""
@@ -70,75 +28,67 @@ class Target:
     does: str  # what the plugin changes there (or relies on), in a few words
 
 
-# The same released source in both releases (one fingerprint).
-_PREFILL_CLASS: Final = Target(
-    f"{_SH}.PrefillStagingContext",
-    "staging_class",
-    "REPLACE",
-    "79b39c1eb4e765e6",
+_HOOK_TYPES: Final = {
+    "staging_class": "REPLACE",
+    "decode_staging_class": "REPLACE",
+    "purge_then_clear": "AROUND",
+    "lift_on_new_sender": "AFTER",
+}
+"""Each hook's ``HookType``: fixed by what the hook is (a class, a wrapper, an epilogue)."""
+
+Row = tuple[str, str | None, str, str]
+"""``(path, hook, fingerprint, does)`` of one target; its hook type follows from the hook."""
+
+
+def _targets(*rows: Row) -> tuple[Target, ...]:
+    return tuple(Target(path, hook, _HOOK_TYPES.get(hook or ""), fp, does)
+                 for path, hook, fp, does in rows)  # fmt: skip
+
+
+# The same released source in both releases (one fingerprint each).
+_PREFILL_CLASS: Final[Row] = (
+    f"{_SH}.PrefillStagingContext", "staging_class", "79b39c1eb4e765e6",
     "the prefill staging dataclass -> a CompatStagingContext (locked views)",
-)
+)  # fmt: skip
+_DECODE: Final[tuple[Row, ...]] = (
+    (f"{_SH}.DecodeStagingContext", "decode_staging_class", "3f3ec82d41bd97ab",
+     "the decode staging dataclass -> a DecodeCompatContext (room_bootstrap and "
+     "room_receivers: locked views on one lock)"),
+    (f"{_NIXL}.NixlKVManager.register_staging_room_bootstrap", None, "855821cdb4fe4cb6",
+     "relied on: one item assignment per dict (decode scheduler)"),
+    (f"{_SH}.DecodeStagingHandler.unregister_decode_req", None, "0a731d40068007d6",
+     "relied on: one pop(room, None) per dict (decode scheduler)"),
+    (f"{_SH}.StagingManagerMixin._handle_staging_req", None, "8805d70754002f87",
+     "relied on: get(room) only, and passes the two dicts on (decode listener)"),
+    (f"{_SH}.handle_staging_req", None, "eea646b45a871132",
+     "relied on: get(room) only on each dict (decode listener)"),
+)  # fmt: skip
 
 
 RELEASES: Final[dict[str, tuple[Target, ...]]] = {
-    "0.5.21": (
+    "0.5.21": _targets(
         _PREFILL_CLASS,
-        Target(
-            f"{_NIXL}.NixlKVSender.clear",
-            "purge_then_clear",
-            "AROUND",
-            "113022b20bcd716b",
-            "one purge_room, then the released clear() without its staging drop "
-            "(a rebind of prefetch_requested)",
-        ),
-        Target(
-            f"{_COMMON}.CommonKVSender.__init__",
-            "lift_on_new_sender",
-            "AFTER",
-            "e1f830f678e62de5",
-            "a new sender lifts its id's tombstone (reused ids)",
-        ),
-        Target(
-            f"{_NIXL}.NixlKVSender.failure_exception",
-            None,
-            None,
-            "e7caf9fc3226cdbb",
-            "relied on: calls self.clear() (so the failure path purges)",
-        ),
-        *_decode(),
+        (f"{_NIXL}.NixlKVSender.clear", "purge_then_clear", "113022b20bcd716b",
+         "one purge_room, then the released clear() without its staging drop "
+         "(a rebind of prefetch_requested)"),
+        (f"{_COMMON}.CommonKVSender.__init__", "lift_on_new_sender", "e1f830f678e62de5",
+         "a new sender lifts its id's tombstone (reused ids)"),
+        (f"{_NIXL}.NixlKVSender.failure_exception", None, "e7caf9fc3226cdbb",
+         "relied on: calls self.clear() (so the failure path purges)"),
+        *_DECODE,
     ),
-    "0.5.23": (
+    "0.5.23": _targets(
         _PREFILL_CLASS,
-        Target(
-            f"{_COMMON}.CommonKVSender.clear",
-            "purge_then_clear",
-            "AROUND",
-            "868b15393aa9f65b",
-            "one purge_room, then the released clear() without its staging drop (a walk "
-            "over every key); NIXL's and Mooncake's senders inherit it",
-        ),
-        Target(
-            f"{_NIXL}.NixlKVSender.clear",
-            None,
-            None,
-            "868b15393aa9f65b",
-            "relied on: NIXL's sender inherits CommonKVSender.clear (hooked above)",
-        ),
-        Target(
-            f"{_COMMON}.CommonKVSender.__init__",
-            "lift_on_new_sender",
-            "AFTER",
-            "d6b7b1d5dccf0f45",
-            "a new sender that owns its room lifts its id's tombstone (reused ids)",
-        ),
-        Target(
-            f"{_COMMON}.CommonKVSender.failure_exception",
-            None,
-            None,
-            "61b5de09eea29ed2",
-            "relied on: calls self.clear() (so the failure path purges)",
-        ),
-        *_decode(),
+        (f"{_COMMON}.CommonKVSender.clear", "purge_then_clear", "868b15393aa9f65b",
+         "one purge_room, then the released clear() without its staging drop (a walk "
+         "over every key); NIXL's and Mooncake's senders inherit it"),
+        (f"{_NIXL}.NixlKVSender.clear", None, "868b15393aa9f65b",
+         "relied on: NIXL's sender inherits CommonKVSender.clear (hooked above)"),
+        (f"{_COMMON}.CommonKVSender.__init__", "lift_on_new_sender", "d6b7b1d5dccf0f45",
+         "a new sender that owns its room lifts its id's tombstone (reused ids)"),
+        (f"{_COMMON}.CommonKVSender.failure_exception", None, "61b5de09eea29ed2",
+         "relied on: calls self.clear() (so the failure path purges)"),
+        *_DECODE,
     ),
-}
+}  # fmt: skip
 """Release -> the targets of that release. The one place a newer release is added."""
