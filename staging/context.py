@@ -301,11 +301,7 @@ class StagingContext:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
             RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
-        generation: int | None
-        if type(room) is RoomHandle:
-            room_id, generation = room
-        else:
-            room_id, generation = self._ref(room)
+        room_id, generation = room if type(room) is RoomHandle else self._ref(room)
         if type(chunk_idx) is not int or not 0 <= chunk_idx < MAX_ID:
             chunk_idx = check_chunk_idx(chunk_idx)
         if type(session_id) is not str or not session_id:
@@ -344,11 +340,7 @@ class StagingContext:
                 (checked before any state changes).
             RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
-        generation: int | None
-        if type(room) is RoomHandle:
-            room_id, generation = room
-        else:
-            room_id, generation = self._ref(room)
+        room_id, generation = room if type(room) is RoomHandle else self._ref(room)
         chunks: Iterable[int]
         if (
             type(chunk_idxs) is range
@@ -413,11 +405,7 @@ class StagingContext:
             TypeError, ValueError: bad ``room``.
             RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
-        generation: int | None
-        if type(room) is RoomHandle:
-            room_id, generation = room
-        else:
-            room_id, generation = self._ref(room)
+        room_id, generation = room if type(room) is RoomHandle else self._ref(room)
         lock = self._lock
         # mutant-site: mark-prefetched-call-acquire-write
         lock.acquire_write()
@@ -467,11 +455,7 @@ class StagingContext:
         Raises:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
         """
-        generation: int | None
-        if type(room) is RoomHandle:
-            room_id, generation = room
-        else:
-            room_id, generation = self._ref(room)
+        room_id, generation = room if type(room) is RoomHandle else self._ref(room)
         if type(chunk_idx) is not int or not 0 <= chunk_idx < MAX_ID:
             chunk_idx = check_chunk_idx(chunk_idx)
         if type(session_id) is not str or not session_id:
