@@ -135,9 +135,8 @@ class StagingContext:
 
     Args:
         lock: ``"mutex"`` (default; ``threading.Lock`` for both modes) or ``"rw"``
-            (``readerwriterlock.RWLockFair``; readers share). Rule: under the GIL take the
-            mutex, as ``KVManager`` does; it is about twice as fast for a room's lifecycle
-            (``python -m bench lifecycle``) because the hot reads are lock-free anyway.
+            (``readerwriterlock.RWLockFair``; readers share). Under the GIL take the mutex:
+            the hot reads are lock-free anyway (``python -m bench lifecycle``).
         lock_timeout: seconds to wait for the lock before raising
             :class:`~staging.errors.LockTimeoutError`; ``None`` or ``float("inf")`` waits
             forever. Purges ignore it (they never time out).
@@ -178,11 +177,10 @@ class StagingContext:
         )
         self._strict = strict
         # --- Everything below is guarded by _lock: read under read(), mutate under write(). ---
-        # Open rooms by id. A room id is in _rooms iff it is open; its _Room.requests holds
-        # its prefetch keys. _session_rooms is the reverse index that lets purge_session skip
-        # rooms without a key of that session. It is kept per (room, session), not per key,
-        # so a request pays one set-membership test (`session in state.sessions`) and the
-        # index is touched once per room and session:
+        # A room id is in _rooms iff it is open; its _Room.requests holds its prefetch keys.
+        # _session_rooms, the reverse index that lets purge_session skip rooms without a key
+        # of that session, is kept per (room, session), not per key (a request pays one
+        # `session in state.sessions` test):
         #   complete: every open room with a key of session s is in _session_rooms[s], and
         #             s is in its _Room.sessions;
         #   sound:    a room in _session_rooms[s] is open, has s in its _Room.sessions, and
@@ -292,10 +290,9 @@ class StagingContext:
     def request_prefetch(self, room: RoomRef, chunk_idx: int, session_id: str) -> bool:
         """Atomically test-and-add the key ``(room, chunk_idx, session_id)``.
 
-        ``True`` only if the key was newly recorded for the room's open generation.
-        ``False`` for a duplicate; ``False`` and a refused-late-write count if the room is not
-        open or ``room`` is a stale handle (late writers are normal: never raises for them,
-        unless the context is ``strict``). Thread-safe; write lock; atomic.
+        ``True`` only if newly recorded for the room's open generation; ``False`` for a
+        duplicate, or (counted as a refused late write; raised only if ``strict``) when the
+        room is not open or the handle is stale. Thread-safe; write lock; atomic.
 
         Raises:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
@@ -430,8 +427,7 @@ class StagingContext:
     # live, or as of its purge, which lies inside the read's own interval.
 
     def is_open(self, room: RoomRef) -> bool:
-        """``True`` if the room (that generation, for a handle) is open. Thread-safe; no lock
-        (a linearizable point read).
+        """``True`` if the room (that generation, for a handle) is open. Thread-safe; no lock.
 
         Raises:
             TypeError, ValueError: bad ``room``.
@@ -439,8 +435,7 @@ class StagingContext:
         return self._live_quiet(*self._ref(room)) is not None
 
     def is_prefetched(self, room: RoomRef) -> bool:
-        """``True`` if the room is open and marked prefetched. Thread-safe; no lock
-        (a linearizable point read).
+        """``True`` if the room is open and marked prefetched. Thread-safe; no lock.
 
         Raises:
             TypeError, ValueError: bad ``room``.
@@ -449,8 +444,7 @@ class StagingContext:
         return state is not None and state.prefetched
 
     def is_requested(self, room: RoomRef, chunk_idx: int, session_id: str) -> bool:
-        """``True`` if the key is recorded for the open room. Thread-safe; no lock
-        (a linearizable point read).
+        """``True`` if the key is recorded for the open room. Thread-safe; no lock.
 
         Raises:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
@@ -470,10 +464,8 @@ class StagingContext:
         )
 
     def handle(self, room: RoomRef) -> RoomHandle | None:
-        """The handle of the open ``room``, or ``None``. Thread-safe; read lock.
-
-        Like every other method it takes a room id or a :class:`RoomHandle`; for a handle it
-        answers that handle if its generation is the one open now, else ``None``.
+        """The handle of the open ``room`` (for a handle: it, if that generation is open), or
+        ``None``. Thread-safe; read lock.
 
         Raises:
             TypeError, ValueError: bad ``room``.
@@ -485,7 +477,6 @@ class StagingContext:
 
     def room_requests(self, room: RoomRef) -> frozenset[RoomKey]:
         """The ``(chunk_idx, session_id)`` keys of the open room (empty if closed).
-
         Thread-safe; read lock.
 
         Raises:

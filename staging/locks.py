@@ -54,10 +54,8 @@ def debug_from_env() -> bool:
 def check_lock_timeout(timeout: object, what: str = "lock timeout") -> float | None:
     """Validate a lock timeout in seconds; return it as a ``float``, or ``None`` (no limit).
 
-    ``None`` and ``float("inf")`` both mean "wait as long as it takes" (``inf`` is returned
-    as ``None``). A finite timeout must be > 0 and at most ``threading.TIMEOUT_MAX`` (about
-    292 years): a larger one cannot be passed to ``Lock.acquire`` and would make every later
-    acquisition raise ``OverflowError``.
+    ``inf`` is returned as ``None``. A finite timeout must be > 0 and at most
+    ``threading.TIMEOUT_MAX``: ``Lock.acquire`` raises ``OverflowError`` above it.
 
     Raises:
         TypeError: not ``None`` and not a real number, or a ``bool``.
@@ -327,14 +325,9 @@ class _LockBase:
     # -- inspection --------------------------------------------------------------------
 
     def assert_held(self, mode: LockMode) -> None:
-        """Raise :class:`LockNotHeldError` unless the calling thread holds this lock in ``mode``.
-
-        Holding the write mode satisfies ``"read"``. Exact in debug mode; outside debug mode,
-        shared (read) holders of an :class:`RWLock` are not tracked, so ``"read"`` is then
-        checked only as "the lock is not free".
-
-        Thread-safe.
-        """
+        """Raise :class:`LockNotHeldError` unless the calling thread holds this lock in ``mode``
+        (write satisfies ``"read"``). Exact in debug mode; outside it, shared holders of an
+        :class:`RWLock` are not tracked, so ``"read"`` means "not free". Thread-safe."""
         if self._debug:
             held = any(lock is self and m in (mode, "write") for lock, m in _held.locks)
         else:
