@@ -232,8 +232,7 @@ class StagingBufferPool:
                     return slot
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    with self._lock.write():
-                        self._exhausted += 1
+                    self.note_exhausted()
                     raise PoolExhaustedError(self._num_slots, timeout)
                 piece = remaining if on_wake is None else min(remaining, wake_s)
                 self._cond.wait(bounded_wait(piece))
@@ -244,31 +243,18 @@ class StagingBufferPool:
         """Stop counting a live lease against the pool, owner and group without freeing
         its memory until release; a spare, if left, takes its place. ``True`` if the lease
         was live. Thread-safe; write lock."""
-        with self._lock.write():
-            live = self._leases.get(slot.index)
-            if live is None or live.lease != slot.lease:
-                return False
-            self._release_unlocked(slot.index, slot.lease, retire=True)
-        self._notify()
-        return True
+        return self._end_lease(slot, retire=True)
 
     def release(self, slot: StagingSlot) -> bool:
         """Return a lease (live or retired); ``True`` if it was. A stale or repeated release
         does nothing. Thread-safe; write lock."""
-        with self._lock.write():
-            # mutant-site: release
-            freed = self._release_unlocked(slot.index, slot.lease)
-        if freed:
-            self._notify()
-        return bool(freed)
+        return self._end_lease(slot, retire=False)
 
     def release_owner(self, owner: Hashable) -> int:
         """Return every slot leased to ``owner``; the number freed. Thread-safe; atomic."""
         with self._lock.write():
-            indices = self._by_owner.get(owner)
-            freed = 0
-            for index in list(indices or ()):
-                freed += self._release_unlocked(index, self._leases[index].lease)
+            indices = list(self._by_owner.get(owner, ()))
+            freed = sum(self._release_unlocked(i, self._leases[i].lease) for i in indices)
         if freed:
             self._notify()
         return freed
@@ -352,6 +338,14 @@ class StagingBufferPool:
 
     # ------------------------------------------------------------------ internals
 
+    def _end_lease(self, slot: StagingSlot, retire: bool) -> bool:
+        with self._lock.write():
+            # mutant-site: release
+            freed = self._release_unlocked(slot.index, slot.lease, retire=retire)
+        if freed:
+            self._notify()
+        return bool(freed)
+
     def _release_unlocked(self, index: int, lease: int, *, retire: bool = False) -> int:
         """Free ``index`` if ``lease`` holds it, live or retired (``retire``: retire it if
         live); 1 if so, else 0. Caller holds ``_lock`` (write)."""
@@ -374,11 +368,9 @@ class StagingBufferPool:
         if not owned:
             del self._by_owner[live.owner]
         if live.group is not None:
-            left = self._by_group[live.group] - 1
+            left = self._by_group.pop(live.group) - 1
             if left:
                 self._by_group[live.group] = left
-            else:
-                del self._by_group[live.group]
         if not retire:
             self._free.append(index)
             self._released += 1

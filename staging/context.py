@@ -12,16 +12,9 @@ of an older generation, or writing to a room that is not open, is refused (``Fal
 counter), never raised at unless the context is ``strict``, and never allowed to re-create
 the room. That is what keeps a late transfer worker from resurrecting a purged room.
 
-The default lock is ``"mutex"``, the same as ``KVManager``'s: the rule is "under the GIL,
-take the mutex". Point reads take no lock at all, so what ``"rw"`` would let run side by
-side is only the snapshots, and its pure-Python acquisition costs about ten times a
-``threading.Lock``'s (``python -m bench lifecycle``: a room's lifecycle is about twice as
-slow with ``"rw"`` at 1 thread, more at 2 to 8; figures in docs/PERFORMANCE.md). ``"rw"``
-stays available for workloads that hold read snapshots of many rooms while other threads
-write.
-
-The thread-safety contract of every method is in ``docs/THREADING.md``; each docstring
-repeats it in one line.
+The default lock is ``"mutex"``: point reads take no lock, so ``"rw"`` would let only the
+snapshots run side by side, at about ten times the cost of an acquisition (docs/PERFORMANCE.md).
+The thread-safety contract of every method is in ``docs/THREADING.md``.
 """
 
 from __future__ import annotations
@@ -120,12 +113,9 @@ class StagingStats:
 class _Room:
     """Mutable state of one open room. Guarded by the owning context's lock.
 
-    ``sessions``: the sessions whose entry of the context's session index
-    (``_session_rooms``) holds this room -- every session of ``requests``, and possibly some
-    whose keys were removed since (see ``StagingContext.__init__``). The writers skip the
-    index when the session is already here. (A subclass that empties the whole index at
-    once, as ``staging.compat`` does when it clears every key, leaves stale names here; it
-    re-indexes through ``_add_session_ref``, which never skips.)
+    ``sessions``: the sessions whose entry of ``_session_rooms`` holds this room (see
+    ``StagingContext.__init__``); writers skip the index when the session is already here.
+    (``staging.compat``, which may empty the whole index, re-indexes via ``_add_session_ref``.)
     """
 
     __slots__ = ("generation", "prefetched", "requests", "sessions")
@@ -145,9 +135,8 @@ class StagingContext:
 
     Args:
         lock: ``"mutex"`` (default; ``threading.Lock`` for both modes) or ``"rw"``
-            (``readerwriterlock.RWLockFair``; readers share). Rule: under the GIL take the
-            mutex, as ``KVManager`` does; it is about twice as fast for a room's lifecycle
-            (``python -m bench lifecycle``) because the hot reads are lock-free anyway.
+            (``readerwriterlock.RWLockFair``; readers share). Under the GIL take the mutex:
+            the hot reads are lock-free anyway (``python -m bench lifecycle``).
         lock_timeout: seconds to wait for the lock before raising
             :class:`~staging.errors.LockTimeoutError`; ``None`` or ``float("inf")`` waits
             forever. Purges ignore it (they never time out).
@@ -165,11 +154,9 @@ class StagingContext:
             ``debug`` not ``None`` or a ``bool``; ``strict`` not a ``bool``.
     """
 
-    # The hot methods inline three things a helper call would cost more than (a Python call
-    # is ~0.1 us here; a room's lifecycle made ~160 of them, ~30 now, the threading.Lock
-    # reference of bench.lifecycle 19): the exact-type fast path of each argument check
-    # (anything else goes to staging.validate, which raises), the unpacking of a RoomHandle,
-    # and the lookup of the open room (_live_quiet's body).
+    # The hot methods inline what a helper call (~0.1 us) would cost more than: the exact-type
+    # fast path of each argument check (else staging.validate, which raises), the unpacking
+    # of a RoomHandle, and the lookup of the open room (_live_quiet's body).
 
     def __init__(
         self,
@@ -190,11 +177,10 @@ class StagingContext:
         )
         self._strict = strict
         # --- Everything below is guarded by _lock: read under read(), mutate under write(). ---
-        # Open rooms by id. A room id is in _rooms iff it is open; its _Room.requests holds
-        # its prefetch keys. _session_rooms is the reverse index that lets purge_session skip
-        # rooms without a key of that session. It is kept per (room, session), not per key,
-        # so a request pays one set-membership test (`session in state.sessions`) and the
-        # index is touched once per room and session:
+        # A room id is in _rooms iff it is open; its _Room.requests holds its prefetch keys.
+        # _session_rooms, the reverse index that lets purge_session skip rooms without a key
+        # of that session, is kept per (room, session), not per key (a request pays one
+        # `session in state.sessions` test):
         #   complete: every open room with a key of session s is in _session_rooms[s], and
         #             s is in its _Room.sessions;
         #   sound:    a room in _session_rooms[s] is open, has s in its _Room.sessions, and
@@ -211,8 +197,6 @@ class StagingContext:
         self._session_purges = 0
         self._refused = 0
 
-    # ------------------------------------------------------------------ properties
-
     @property
     def lock_kind(self) -> str:
         """``"rw"`` or ``"mutex"``."""
@@ -227,8 +211,6 @@ class StagingContext:
     def lock(self) -> RWLock | MutexLock:
         """The context's lock (level ``LockLevel.STAGING``), for ``assert_held`` in tests."""
         return self._lock
-
-    # ------------------------------------------------------------------ lifecycle
 
     def open_room(self, room: int) -> RoomHandle:
         """Open ``room`` with a new generation. Thread-safe; write lock; atomic.
@@ -259,11 +241,9 @@ class StagingContext:
         Idempotent: purging a closed room (or with a stale handle, which never touches a newer
         generation) returns ``was_open=False`` and changes nothing. Everything recorded for
         the purged generation before this returns is in the result; nothing is recorded for
-        it afterwards. Cost is O(keys of that room). Thread-safe; write lock; atomic.
-
-        A purge never times out: it waits for the lock as long as it takes, whatever
-        ``lock_timeout`` is (a purge that could fail half-way would leak the room; callers
-        such as ``KVManager.purge_room`` rely on it being all-or-nothing).
+        it afterwards. O(keys of that room). Thread-safe; write lock; atomic. Never times out
+        (ignores ``lock_timeout``): callers such as ``KVManager.purge_room`` rely on it being
+        all-or-nothing.
 
         Raises:
             TypeError, ValueError: bad ``room``.
@@ -277,13 +257,10 @@ class StagingContext:
     def purge_session(self, session_id: str) -> frozenset[int]:
         """A decode peer died: drop its keys from every room; return the rooms that had any.
 
-        The rooms stay open (the sender fails them). Cost is O(rooms that got a key of that
-        session since they were opened, or since its last ``purge_session`` + all keys of
-        those rooms): the reverse index finds those rooms, each of their keys is looked at
-        once, and rooms that never had a key of it are not touched (a room has as many
-        sessions as decode TP ranks, so this is close to O(keys of that session)).
-        Thread-safe; write lock; atomic; like :meth:`purge_room` it never times out (ignores
-        ``lock_timeout``).
+        The rooms stay open (the sender fails them). The reverse index finds the rooms that
+        got a key of that session (since opened or its last ``purge_session``); each of
+        their keys is looked at once: close to O(keys of that session). Thread-safe; write
+        lock; atomic; like :meth:`purge_room` it never times out (ignores ``lock_timeout``).
 
         Raises:
             TypeError, ValueError: ``session_id`` is not a non-empty ``str``.
@@ -310,25 +287,18 @@ class StagingContext:
                 self._session_purges += 1
         return frozenset(touched)
 
-    # ------------------------------------------------------------------ writers
-
     def request_prefetch(self, room: RoomRef, chunk_idx: int, session_id: str) -> bool:
         """Atomically test-and-add the key ``(room, chunk_idx, session_id)``.
 
-        ``True`` only if the key was newly recorded for the room's open generation.
-        ``False`` for a duplicate; ``False`` and a refused-late-write count if the room is not
-        open or ``room`` is a stale handle (late writers are normal: never raises for them,
-        unless the context is ``strict``). Thread-safe; write lock; atomic.
+        ``True`` only if newly recorded for the room's open generation; ``False`` for a
+        duplicate, or (counted as a refused late write; raised only if ``strict``) when the
+        room is not open or the handle is stale. Thread-safe; write lock; atomic.
 
         Raises:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
             RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
-        generation: int | None
-        if type(room) is RoomHandle:
-            room_id, generation = room
-        else:
-            room_id, generation = self._ref(room)
+        room_id, generation = room if type(room) is RoomHandle else self._ref(room)
         if type(chunk_idx) is not int or not 0 <= chunk_idx < MAX_ID:
             chunk_idx = check_chunk_idx(chunk_idx)
         if type(session_id) is not str or not session_id:
@@ -367,11 +337,7 @@ class StagingContext:
                 (checked before any state changes).
             RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
-        generation: int | None
-        if type(room) is RoomHandle:
-            room_id, generation = room
-        else:
-            room_id, generation = self._ref(room)
+        room_id, generation = room if type(room) is RoomHandle else self._ref(room)
         chunks: Iterable[int]
         if (
             type(chunk_idxs) is range
@@ -436,11 +402,7 @@ class StagingContext:
             TypeError, ValueError: bad ``room``.
             RoomNotOpenError, RoomPurgedError: ``strict`` only, for a refused write.
         """
-        generation: int | None
-        if type(room) is RoomHandle:
-            room_id, generation = room
-        else:
-            room_id, generation = self._ref(room)
+        room_id, generation = room if type(room) is RoomHandle else self._ref(room)
         lock = self._lock
         # mutant-site: mark-prefetched-call-acquire-write
         lock.acquire_write()
@@ -458,55 +420,36 @@ class StagingContext:
         finally:
             lock.release_write()
 
-    # ------------------------------------------------------------------ readers
-
-    # Point reads take no lock. They are still linearizable: each reads the room's _Room
-    # with one dict lookup and then one field or one set-membership test, each a single
-    # atomic operation (under the GIL, and under free-threaded CPython's per-object locks).
-    # A _Room is mutated only while it is in _rooms and only under the write lock, with every
-    # mutation one atomic call (set.add/remove/update/difference_update, one attribute store);
-    # once purged it is never mutated again. So a read that found the room answers either as
-    # of a moment the room was live (the membership test) or as of its purge, which lies
-    # inside the read's own interval. This is what makes reads cheap (no lock round trip).
+    # Point reads take no lock and are still linearizable: each is one dict lookup, then one
+    # field read or set-membership test, each atomic (GIL, or free-threaded per-object locks).
+    # A _Room is mutated only while in _rooms, under the write lock, one atomic call per
+    # mutation, and never once purged: a read that found it answers as of a moment it was
+    # live, or as of its purge, which lies inside the read's own interval.
 
     def is_open(self, room: RoomRef) -> bool:
-        """``True`` if the room (that generation, for a handle) is open. Thread-safe; no lock
-        (a linearizable point read).
+        """``True`` if the room (that generation, for a handle) is open. Thread-safe; no lock.
 
         Raises:
             TypeError, ValueError: bad ``room``.
         """
-        room_id, generation = self._ref(room)
-        state = self._rooms.get(room_id)
-        return state is not None and (generation is None or state.generation == generation)
+        return self._live_quiet(*self._ref(room)) is not None
 
     def is_prefetched(self, room: RoomRef) -> bool:
-        """``True`` if the room is open and marked prefetched. Thread-safe; no lock
-        (a linearizable point read).
+        """``True`` if the room is open and marked prefetched. Thread-safe; no lock.
 
         Raises:
             TypeError, ValueError: bad ``room``.
         """
-        room_id, generation = self._ref(room)
-        state = self._rooms.get(room_id)
-        return (
-            state is not None
-            and (generation is None or state.generation == generation)
-            and state.prefetched
-        )
+        state = self._live_quiet(*self._ref(room))
+        return state is not None and state.prefetched
 
     def is_requested(self, room: RoomRef, chunk_idx: int, session_id: str) -> bool:
-        """``True`` if the key is recorded for the open room. Thread-safe; no lock
-        (a linearizable point read).
+        """``True`` if the key is recorded for the open room. Thread-safe; no lock.
 
         Raises:
             TypeError, ValueError: bad ``room``, ``chunk_idx`` or ``session_id``.
         """
-        generation: int | None
-        if type(room) is RoomHandle:
-            room_id, generation = room
-        else:
-            room_id, generation = self._ref(room)
+        room_id, generation = room if type(room) is RoomHandle else self._ref(room)
         if type(chunk_idx) is not int or not 0 <= chunk_idx < MAX_ID:
             chunk_idx = check_chunk_idx(chunk_idx)
         if type(session_id) is not str or not session_id:
@@ -521,10 +464,8 @@ class StagingContext:
         )
 
     def handle(self, room: RoomRef) -> RoomHandle | None:
-        """The handle of the open ``room``, or ``None``. Thread-safe; read lock.
-
-        Like every other method it takes a room id or a :class:`RoomHandle`; for a handle it
-        answers that handle if its generation is the one open now, else ``None``.
+        """The handle of the open ``room`` (for a handle: it, if that generation is open), or
+        ``None``. Thread-safe; read lock.
 
         Raises:
             TypeError, ValueError: bad ``room``.
@@ -536,7 +477,6 @@ class StagingContext:
 
     def room_requests(self, room: RoomRef) -> frozenset[RoomKey]:
         """The ``(chunk_idx, session_id)`` keys of the open room (empty if closed).
-
         Thread-safe; read lock.
 
         Raises:
@@ -601,8 +541,6 @@ class StagingContext:
             f"prefetched={s.prefetched_rooms} keys={s.requested_keys}>"
         )
 
-    # ------------------------------------------------------------------ internals
-
     @staticmethod
     def _ref(room: RoomRef) -> tuple[int, int | None]:
         """Validate a room reference; ``(room_id, generation or None)``. No lock."""
@@ -613,28 +551,22 @@ class StagingContext:
         return check_room_id(room), None
 
     def _live_quiet(self, room_id: int, generation: int | None) -> _Room | None:
-        """The open room matching the reference, or ``None``. Caller holds the lock."""
+        """The open room matching the reference, or ``None``. Under the lock, or a point read."""
         state = self._rooms.get(room_id)
         if state is None or (generation is not None and state.generation != generation):
             return None
         return state
 
     def _live(self, room_id: int, generation: int | None) -> _Room | None:
-        """Like :meth:`_live_quiet`, counting a refused late write (and raising it in strict
-        mode). Caller holds the write lock."""
+        """:meth:`_live_quiet`, counting (strict: raising) a refused write. Under the lock."""
         state = self._live_quiet(room_id, generation)
         if state is None:
             self._refuse(room_id, generation)
         return state
 
     def _refuse(self, room_id: int, generation: int | None, detail: str = "") -> None:
-        """Count a refused write; in strict mode raise it. Caller holds the write lock.
-
-        Raises:
-            RoomNotOpenError: strict, and a room id (no handle) that is not open.
-            RoomPurgedError: strict, and a stale handle (or ``detail`` says why it is known
-                to be purged).
-        """
+        """Count a refused write; strict: raise RoomNotOpenError for a room id,
+        RoomPurgedError for a stale handle or a ``detail``. Caller holds the write lock."""
         self._refused += 1
         if not self._strict:
             return
@@ -647,10 +579,8 @@ class StagingContext:
         )
 
     def _close_locked(self, room_id: int, generation: int | None) -> _Room | None:
-        """Close the opening of ``room_id`` that ``generation`` names (``None``: whichever is
-        open): drop it from ``_rooms``, the session index and the counters. Return its state,
-        frozen from now on, or ``None`` if that opening is not open. Caller holds the write
-        lock."""
+        """Close that opening (``generation`` None: whichever is open) and return its state,
+        frozen from now on, or ``None`` if not open. Caller holds the write lock."""
         state = self._rooms.get(room_id)
         if state is None or (generation is not None and state.generation != generation):
             return None
@@ -664,23 +594,17 @@ class StagingContext:
         return state
 
     def _purge_locked(self, room_id: int, generation: int | None) -> RoomPurge:
-        """:meth:`_close_locked` with the :class:`RoomPurge` it makes (the purge of a
-        subclass that adds to the same critical section). Caller holds the write lock."""
+        """:meth:`_close_locked` as a :class:`RoomPurge`, for subclasses. Under the write lock."""
         return _purge_record(room_id, self._close_locked(room_id, generation))
 
     def _index_session(self, state: _Room, session_id: str, room_id: int) -> None:
-        """Enter the open room in the session index for ``session_id`` (idempotent). Caller
-        holds the write lock."""
+        """Enter the open room in the session index (idempotent). Under the write lock."""
         state.sessions.add(session_id)
-        rooms = self._session_rooms.get(session_id)
-        if rooms is None:
-            self._session_rooms[session_id] = {room_id}
-        else:
-            rooms.add(room_id)
+        self._session_rooms.setdefault(session_id, set()).add(room_id)
 
     def _unindex(self, state: _Room, room_id: int) -> None:
-        """Take the room out of every session index entry (it is closing, or lost its last
-        key). Caller holds the write lock."""
+        """Take the room out of the session index (closing, or its last key went). Under the
+        write lock."""
         index = self._session_rooms
         for session in state.sessions:
             rooms = index.get(session)  # absent only after a subclass cleared the index
@@ -690,19 +614,14 @@ class StagingContext:
                     del index[session]
         state.sessions = set()
 
-    # The per-key entry points of the session index, for subclasses that add or remove one
-    # key themselves (staging.compat): the key is already added to / removed from
-    # state.requests, under the write lock.
+    # For subclasses (staging.compat) that add or remove one key of state.requests
+    # themselves, under the write lock: the session index follows.
 
     def _add_session_ref(self, session_id: str, room_id: int, keys: int = 1) -> None:
-        """A key of ``session_id`` was added to the open room ``room_id``. Caller holds the
-        write lock."""
         self._index_session(self._rooms[room_id], session_id, room_id)
 
     def _drop_session_ref(self, session_id: str, room_id: int) -> None:
-        """A key of ``session_id`` was removed from the open room ``room_id``; if it was the
-        room's last key, the room leaves the index (so that a subclass may then drop it from
-        ``_rooms`` directly). Caller holds the write lock."""
+        """If that was the room's last key, the room leaves the index."""
         state = self._rooms[room_id]
         if not state.requests:
             self._unindex(state, room_id)
@@ -716,8 +635,7 @@ class StagingContext:
 
 
 def _purge_record(room_id: int, state: _Room | None) -> RoomPurge:
-    """The :class:`RoomPurge` of a room whose state :meth:`StagingContext._close_locked`
-    returned (``None``: nothing was open)."""
+    """The :class:`RoomPurge` of what ``_close_locked`` returned (``None``: nothing open)."""
     if state is None:
         return RoomPurge(room_id, False, False, frozenset())
     return RoomPurge(room_id, True, state.prefetched, frozenset(state.requests), state.generation)

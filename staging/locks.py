@@ -1,28 +1,14 @@
-"""The lock model shared by the staging layer and the sender.
+"""The lock model shared by the staging layer and the sender: every lock has a *name*, a
+*level* in the hierarchy (:class:`LockLevel`) and the context managers ``read()``/``write()``.
 
-Every lock here has a *name* (its class of use, e.g. ``"staging"``), a *level* in the lock
-hierarchy, and two context managers, :meth:`StagingLock.read` and :meth:`StagingLock.write`.
-Two implementations exist and are interchangeable (one behavioural contract test suite runs
-over both):
-
-* :class:`RWLock` -- ``readerwriterlock.RWLockFair``: many readers or one writer, and neither
-  side starves (measured: ``RWLockRead`` starves writers, ``RWLockWrite`` starves readers).
-  A fresh ``gen_rlock()``/``gen_wlock()`` object is made per use: one generated lock object
-  shared by two threads corrupts the reader count. The internal locks are made by a
-  late-binding factory so that tools which patch ``threading.Lock`` (deterministic
-  schedulers) see them.
+* :class:`RWLock` -- ``readerwriterlock.RWLockFair`` (neither side starves). A fresh
+  ``gen_rlock()``/``gen_wlock()`` object per use: one shared by two threads corrupts the
+  reader count. Its internal locks come from a late-binding factory, so tools that patch
+  ``threading.Lock`` (deterministic schedulers) see them.
 * :class:`MutexLock` -- one ``threading.Lock`` for both modes.
 
-Neither is reentrant. Rules for code that holds one of these locks: never call user code,
-log, or do I/O while holding it; never acquire a lock of a lower or equal level while holding
-one (the hierarchy is :class:`LockLevel`: a thread acquires locks in strictly increasing
-level).
-
-Debug mode (``debug=True``, or env ``NIXL_STAGING_DEBUG_LOCKS=1`` when ``debug=None``) tracks
-what each thread holds and turns the two silent deadlocks into exceptions, raised *before*
-blocking: re-acquiring a held lock raises :class:`~staging.errors.LockReentryError`, and
-acquiring against the hierarchy raises :class:`~staging.errors.LockOrderError` the first time
-the inverted order happens, whether or not it would have deadlocked this time.
+Neither is reentrant. The rules for holders, and debug mode (``LockReentryError``,
+``LockOrderError`` raised before blocking), are in docs/THREADING.md.
 """
 
 from __future__ import annotations
@@ -36,7 +22,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from types import TracebackType
 from typing import Literal, NoReturn, Protocol
 
 from readerwriterlock import rwlock
@@ -50,16 +35,8 @@ DEBUG_ENV = "NIXL_STAGING_DEBUG_LOCKS"
 
 
 class LockLevel(IntEnum):
-    """The lock hierarchy, outermost first. A thread takes locks in increasing level.
-
-    ``ROOM_GATE`` (a sender room's post gate: held by a worker across the check-and-post of
-    one chunk, and by that room's purge) is taken before ``ROOM`` (the sender's manager
-    lock), which is taken before ``STAGING`` (a
-    :class:`~staging.context.StagingContext`), which is taken before ``POOL`` (the staging
-    slot pool), before ``FAILURE`` (the failure-record lock). ``TRANSFER`` is reserved and no
-    lock of the model uses it: the transport's per-transfer locks are plain
-    ``threading.Lock`` objects outside the model, always innermost (docs/THREADING.md).
-    """
+    """The lock hierarchy, outermost first: a thread takes locks in increasing level.
+    ``TRANSFER`` is reserved (no lock uses it). Who holds which: docs/THREADING.md."""
 
     ROOM_GATE = 5
     ROOM = 10
@@ -77,10 +54,8 @@ def debug_from_env() -> bool:
 def check_lock_timeout(timeout: object, what: str = "lock timeout") -> float | None:
     """Validate a lock timeout in seconds; return it as a ``float``, or ``None`` (no limit).
 
-    ``None`` and ``float("inf")`` both mean "wait as long as it takes" (``inf`` is returned
-    as ``None``). A finite timeout must be > 0 and at most ``threading.TIMEOUT_MAX`` (about
-    292 years): a larger one cannot be passed to ``Lock.acquire`` and would make every later
-    acquisition raise ``OverflowError``.
+    ``inf`` is returned as ``None``. A finite timeout must be > 0 and at most
+    ``threading.TIMEOUT_MAX``: ``Lock.acquire`` raises ``OverflowError`` above it.
 
     Raises:
         TypeError: not ``None`` and not a real number, or a ``bool``.
@@ -124,13 +99,8 @@ def _new_thread_lock() -> threading.Lock:
 
 @dataclass(frozen=True)
 class LockStats:
-    """A snapshot of one lock's counters.
-
-    ``contended`` counts acquisitions that found the lock busy; it is measured for a
-    :class:`MutexLock` and, in debug mode, for an :class:`RWLock` (outside debug mode an
-    RWLock skips the try-acquire that would measure it: in ``readerwriterlock`` that try
-    costs more than the acquisition itself), and is 0 otherwise.
-    """
+    """A snapshot of one lock's counters. ``contended`` (acquisitions that found the lock
+    busy) is measured for a :class:`MutexLock` and a debug-mode :class:`RWLock`, else 0."""
 
     name: str
     kind: LockKind
@@ -164,55 +134,43 @@ class StagingLock(Protocol):
 
     def read(self) -> _Guard:
         """Context manager holding the lock in shared (read) mode."""
-        ...
 
     def write(self) -> _Guard:
         """Context manager holding the lock in exclusive (write) mode."""
-        ...
 
     def acquire_write(self) -> None:
         """``write()`` without a context manager: pair it with :meth:`release_write`."""
-        ...
 
     def acquire_write_untimed(self) -> None:
         """``write_untimed()`` without a context manager: pair it with :meth:`release_write`."""
-        ...
 
     def release_write(self) -> None:
         """Release what :meth:`acquire_write` or :meth:`acquire_write_untimed` took."""
-        ...
 
     def assert_held(self, mode: LockMode) -> None:
         """Raise :class:`LockNotHeldError` unless the calling thread holds the lock in ``mode``."""
-        ...
 
     def stats(self) -> LockStats:
         """A frozen snapshot of the counters."""
-        ...
 
 
-# Per-thread list of (lock, mode) currently held; maintained only by locks in debug mode.
-_held = threading.local()
+class _Held(threading.local):
+    def __init__(self) -> None:
+        self.locks: list[tuple[_LockBase, LockMode]] = []
 
 
-def _held_list() -> list[tuple[_LockBase, LockMode]]:
-    held: list[tuple[_LockBase, LockMode]] | None = getattr(_held, "locks", None)
-    if held is None:
-        held = []
-        _held.locks = held
-    return held
+# Per thread: (lock, mode) of each lock it holds; maintained only by locks in debug mode.
+_held = _Held()
 
 
 def held_locks() -> tuple[tuple[str, LockMode], ...]:
     """Debug mode: the (name, mode) of every debug lock the calling thread holds, in order."""
-    return tuple((lock.name, mode) for lock, mode in _held_list())
+    return tuple((lock.name, mode) for lock, mode in _held.locks)
 
 
 class _Guard:
-    """Acquisition of a lock in one mode, as a context manager: the lock's own
-    :meth:`_LockBase._take` and :meth:`_LockBase._give` (debug mode: their checked forms).
-    Stateless apart from what it wraps: an RWLock makes one per use (around a fresh
-    generated lock object), a MutexLock reuses one per mode."""
+    """The lock's own ``_acquire``/``_release`` in one mode, as a context manager.
+    Stateless: an RWLock makes one per use, a MutexLock reuses one per mode."""
 
     __slots__ = ("_inner", "_lock", "_mode", "_untimed")
 
@@ -227,12 +185,7 @@ class _Guard:
     def __enter__(self) -> None:
         self._lock._acquire(self._inner, self._mode, self._untimed)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._lock._release(self._inner, self._mode)
 
 
@@ -299,12 +252,10 @@ class _LockBase:
     # -- acquisition -------------------------------------------------------------------
 
     def _take(self, inner: _Acquirable, mode: LockMode, untimed: bool = False) -> None:
-        """The one acquisition path of every guard and ``acquire_write*``: the acquisition
-        itself (:meth:`_wait` when contended), then the new holder's bookkeeping (owner and
-        counters). In debug mode :meth:`_take_checked` runs it between its checks."""
-        # Contention is counted where a try-acquire is cheap (a threading.Lock, or any lock
-        # in debug mode). readerwriterlock's non-blocking acquire costs more than the
-        # blocking one (deadline arithmetic), so a non-debug RWLock goes straight to it.
+        """The one acquisition path: acquire (:meth:`_wait` when contended), then the
+        holder's bookkeeping (owner, counters)."""
+        # Contention is counted where a try-acquire is cheap: readerwriterlock's costs more
+        # than its blocking acquire, so a non-debug RWLock goes straight to that.
         if self._count_contention:
             # mutant-site: take-try-acquire
             if not inner.acquire(False):
@@ -322,28 +273,19 @@ class _LockBase:
                 self._reads += 1
 
     def _take_checked(self, inner: _Acquirable, mode: LockMode, untimed: bool = False) -> None:
-        """Debug mode's acquisition: the order and reentry checks, :meth:`_take`, then the
-        calling thread's record of what it holds."""
-        self._check_order(mode)
+        """Debug mode's acquisition: order and reentry checks, :meth:`_take`, the record."""
+        for lock, held_mode in _held.locks:
+            if lock is self:
+                raise LockReentryError(self._name, held_mode, mode)
+            if lock._level >= self._level:
+                raise LockOrderError(lock._name, lock._level, self._name, self._level)
         self._take(inner, mode, untimed)
-        _held_list().append((self, mode))
+        _held.locks.append((self, mode))
 
     def _wait(self, inner: _Acquirable, mode: LockMode, untimed: bool) -> None:
-        """Take ``inner`` after its try-acquire failed: count the contention, hand the GIL to
-        the holder and try again (:data:`HANDOFF_YIELDS` times), then block (up to the
-        timeout unless ``untimed``; raises :class:`LockTimeoutError` past it).
-
-        Why not block at once: under the GIL a busy lock almost always means that its holder
-        was switched out inside its critical section and now waits for the GIL we hold. A
-        blocked waiter is woken by the release and takes the lock *without* the GIL; the
-        releasing thread, which still runs, then meets the lock taken, blocks in turn, and
-        every later acquisition becomes a hand-off through the kernel (a futex wake and a GIL
-        transfer, tens of µs here) instead of ~0.2 µs: a convoy, which lasts as long as a
-        thread's critical sections are further apart than a woken waiter takes to grab the
-        lock (``bench.lifecycle_profile`` shows it). ``time.sleep(0)`` releases the GIL, so
-        the holder finishes its section, and our retry takes the lock while holding the
-        GIL: nobody ever waits in the kernel with the lock in hand.
-        """
+        """Take ``inner`` after its try-acquire failed: count it, hand the GIL to the holder
+        and retry (:data:`HANDOFF_YIELDS` times), then block up to the timeout (unless
+        ``untimed``). Why: docs/PERFORMANCE.md, "The GIL hand-off before blocking"."""
         # mutant-site: acquire-contended
         with self._stats_lock:
             self._contended += 1
@@ -373,42 +315,27 @@ class _LockBase:
 
     def _give_checked(self, inner: _Acquirable, mode: LockMode) -> None:
         """Debug mode's release: forget the calling thread's record, then :meth:`_give`."""
-        held = _held_list()
+        held = _held.locks
         for i in range(len(held) - 1, -1, -1):
             if held[i][0] is self:
                 del held[i]
                 break
         self._give(inner, mode)
 
-    def _check_order(self, mode: LockMode) -> None:
-        for lock, held_mode in _held_list():
-            if lock is self:
-                raise LockReentryError(self._name, held_mode, mode)
-            if lock._level >= self._level:
-                raise LockOrderError(lock._name, lock._level, self._name, self._level)
-
     # -- inspection --------------------------------------------------------------------
 
     def assert_held(self, mode: LockMode) -> None:
-        """Raise :class:`LockNotHeldError` unless the calling thread holds this lock in ``mode``.
-
-        Holding the write mode satisfies ``"read"``. Exact in debug mode; outside debug mode,
-        shared (read) holders of an :class:`RWLock` are not tracked, so ``"read"`` is then
-        checked only as "the lock is not free".
-
-        Thread-safe.
-        """
-        me = threading.get_ident()
+        """Raise :class:`LockNotHeldError` unless the calling thread holds this lock in ``mode``
+        (write satisfies ``"read"``). Exact in debug mode; outside it, shared holders of an
+        :class:`RWLock` are not tracked, so ``"read"`` means "not free". Thread-safe."""
         if self._debug:
-            for lock, held_mode in _held_list():
-                if lock is self and (held_mode == mode or held_mode == "write"):
-                    return
+            held = any(lock is self and m in (mode, "write") for lock, m in _held.locks)
+        else:
+            held = self._owner == threading.get_ident() or (
+                mode == "read" and not self._exclusive_only and self._held_by_anyone()
+            )
+        if not held:
             raise LockNotHeldError(f"{self._name!r} is not held for {mode} by this thread")
-        if self._owner == me:
-            return
-        if mode == "read" and not self._exclusive_only and self._held_by_anyone():
-            return
-        raise LockNotHeldError(f"{self._name!r} is not held for {mode} by this thread")
 
     def _held_by_anyone(self) -> bool:
         raise NotImplementedError
@@ -470,15 +397,16 @@ class RWLock(_LockBase):
     def acquire_write(self) -> None:
         """As ``write().__enter__()``; release with :meth:`release_write`.
         Raises: LockTimeoutError, LockReentryError, LockOrderError."""
-        writer = self._rw.gen_wlock()
-        self._acquire(writer, "write", False)
-        self._writer = writer
+        self._acquire_writer(False)
 
     def acquire_write_untimed(self) -> None:
         """As ``write_untimed().__enter__()``; release with :meth:`release_write`.
         Raises: LockReentryError, LockOrderError (debug mode)."""
+        self._acquire_writer(True)
+
+    def _acquire_writer(self, untimed: bool) -> None:
         writer = self._rw.gen_wlock()
-        self._acquire(writer, "write", True)
+        self._acquire(writer, "write", untimed)
         self._writer = writer
 
     def release_write(self) -> None:
@@ -514,10 +442,9 @@ class MutexLock(_LockBase):
     def _held_by_anyone(self) -> bool:
         return self._mutex.locked()
 
-    # acquire_write/release_write are the mutex's write path as plain methods: the steps of
-    # _take/_give for this one exclusive lock in one Python frame each (StagingContext's
-    # writers make ~10 a room; a partial around _take costs ~850 instructions more a pair, a
-    # `with` block ~1,200). Debug mode takes _take_checked/_give_checked instead.
+    # acquire_write/release_write repeat the steps of _take/_give as plain methods, one
+    # Python frame each: StagingContext's writers make ~10 a room (a partial around _take
+    # costs ~850 instructions more a pair). Debug mode takes the checked forms instead.
 
     def acquire_write(self) -> None:
         """As ``write().__enter__()``; release with :meth:`release_write`.
@@ -565,12 +492,7 @@ LOCK_KINDS: tuple[LockKind, ...] = ("rw", "mutex")
 
 
 def make_lock(
-    kind: str,
-    name: str,
-    level: int,
-    *,
-    timeout: float | None = None,
-    debug: bool | None = None,
+    kind: str, name: str, level: int, *, timeout: float | None = None, debug: bool | None = None
 ) -> RWLock | MutexLock:
     """Build a lock of ``kind`` (``"rw"`` or ``"mutex"``).
 
@@ -582,8 +504,6 @@ def make_lock(
         TypeError: ``level`` is not an int, or ``timeout`` is not ``None`` or a real number
             (``bool`` and ``str`` are refused).
     """
-    if kind == "rw":
-        return RWLock(name, level, timeout=timeout, debug=debug)
-    if kind == "mutex":
-        return MutexLock(name, level, timeout=timeout, debug=debug)
-    raise ValueError(f"lock kind must be one of {LOCK_KINDS}, got {kind!r}")
+    if kind not in LOCK_KINDS:
+        raise ValueError(f"lock kind must be one of {LOCK_KINDS}, got {kind!r}")
+    return (RWLock if kind == "rw" else MutexLock)(name, level, timeout=timeout, debug=debug)

@@ -144,6 +144,4 @@ def check_session_id(session_id: object) -> str:
 def bounded_wait(seconds: float) -> float:
     """``seconds`` clamped to ``[0, threading.TIMEOUT_MAX]`` (beyond it blocking calls
     raise ``OverflowError``); NaN becomes 0. Raises: nothing."""
-    if seconds > threading.TIMEOUT_MAX:
-        return threading.TIMEOUT_MAX
-    return seconds if seconds > 0 else 0.0
+    return min(seconds, threading.TIMEOUT_MAX) if seconds > 0 else 0.0

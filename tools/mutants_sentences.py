@@ -143,7 +143,9 @@ self.notifier.stop(float("inf"))  # MUTANT: the notices of a close must all go o
         site="release",
         replacement="""\
 live = self._leases.get(slot.index)  # MUTANT: whatever lease the index has now
-freed = self._release_unlocked(slot.index, slot.lease if live is None else live.lease)
+freed = self._release_unlocked(
+    slot.index, slot.lease if live is None else live.lease, retire=retire
+)
 """,
         kind="race",
         description="release() frees the slot's index whoever leases it now: a stale or "
