@@ -114,25 +114,20 @@ class FanOut:
         self, room: int, generation: int, outcome: str, code: str, seconds: float
     ) -> None:
         """Pass a room conclusion to every listener. Thread-safe. Raises: nothing."""
-        self._count_event()
-        for i, listener in enumerate(self._listeners):
-            try:
-                listener.room_concluded(room, generation, outcome, code, seconds)
-            except Exception as exc:
-                self._failed(i, listener, exc)
+        self._pass("room_concluded", room, generation, outcome, code, seconds)
 
     def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
         """Pass a chunk end to every listener. Thread-safe. Raises: nothing."""
-        self._count_event()
-        for i, listener in enumerate(self._listeners):
-            try:
-                listener.chunk_ended(session_id, outcome, seconds, nbytes)
-            except Exception as exc:
-                self._failed(i, listener, exc)
+        self._pass("chunk_ended", session_id, outcome, seconds, nbytes)
 
-    def _count_event(self) -> None:
+    def _pass(self, method: str, *args: object) -> None:
         with self._lock:
             self._events += 1
+        for i, listener in enumerate(self._listeners):
+            try:
+                getattr(listener, method)(*args)
+            except Exception as exc:
+                self._failed(i, listener, exc)
 
     def _failed(self, index: int, listener: object, exc: Exception) -> None:
         try:
