@@ -16,23 +16,10 @@ from typing import Any
 from sender import _nixl
 
 __all__ = [
-    "AgentSetupError",
-    "ConcurrentSenderUseError",
-    "KVTransferError",
-    "PARAM_ERRORS",
-    "PeerNotFoundError",
-    "RegionRetiredError",
-    "RoomNotFailedError",
-    "TRANSPORT_ERRORS",
-    "TransferFailedError",
-    "TransferReleasedError",
-    "TransferTimeoutError",
-    "TransportClosedError",
-    "TransportError",
-    "TransportParamError",
-    "as_param_error",
-    "classify",
-    "status_name",
+    "AgentSetupError", "ConcurrentSenderUseError", "KVTransferError", "PARAM_ERRORS",
+    "PeerNotFoundError", "RegionRetiredError", "RoomNotFailedError", "TRANSPORT_ERRORS",
+    "TransferFailedError", "TransferReleasedError", "TransferTimeoutError", "TransportClosedError",
+    "TransportError", "TransportParamError", "as_param_error", "classify", "status_name",
 ]
 
 

@@ -18,12 +18,7 @@ from typing import Protocol, runtime_checkable
 from sender.notices import CODES
 
 __all__ = [
-    "CHUNK_OUTCOMES",
-    "ROOM_CODES",
-    "ROOM_OUTCOMES",
-    "FanOut",
-    "FanOutStats",
-    "ManagerEvents",
+    "CHUNK_OUTCOMES", "ROOM_CODES", "ROOM_OUTCOMES", "FanOut", "FanOutStats", "ManagerEvents",
 ]
 
 logger = logging.getLogger(__name__)

@@ -34,16 +34,8 @@ from staging.locks import MutexLock, RWLock
 from staging.validate import check_index, check_room_id, check_seconds, check_session_id
 
 __all__ = [
-    "SESSION_FATAL_ERRORS",
-    "Chunk",
-    "KVManager",
-    "ManagerPurge",
-    "ManagerStats",
-    "PageArray",
-    "TransferInfo",
-    "TransferLike",
-    "TransportLike",
-    "make_transfer_info",
+    "SESSION_FATAL_ERRORS", "Chunk", "KVManager", "ManagerPurge", "ManagerStats", "PageArray",
+    "TransferInfo", "TransferLike", "TransportLike", "make_transfer_info",
 ]
 
 _CLAIMED_END_GRACE_S = 0.5

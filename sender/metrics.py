@@ -33,11 +33,7 @@ except ModuleNotFoundError as _exc:  # the core install and the sender extra lac
 from sender.events import CHUNK_OUTCOMES, ROOM_CODES, ROOM_OUTCOMES
 
 __all__ = [
-    "CHUNK_BUCKETS_S",
-    "NAMESPACE",
-    "ROOM_BUCKETS_S",
-    "LatencyHistograms",
-    "SenderCollector",
+    "CHUNK_BUCKETS_S", "NAMESPACE", "ROOM_BUCKETS_S", "LatencyHistograms", "SenderCollector",
 ]
 
 NAMESPACE = "nixl_staging"
