@@ -173,32 +173,20 @@ class KVManager:
             disconnected if callable(disconnected) else None,
         )
         self.rooms = RoomTable(
-            self.staging,
-            pool=staging_pool,
-            notifier=self.notifier,
-            lock=lock,
-            debug=debug,
+            self.staging, pool=staging_pool, notifier=self.notifier, lock=lock, debug=debug,
             events=events,
-        )
+        )  # fmt: skip
         self.failure_lock: RWLock | MutexLock = self.rooms.failure_lock
         self._room_lock: RWLock | MutexLock = self.rooms.lock
         self.pipeline = ChunkPipeline(
-            self.rooms,
-            transport,
-            kv_pool,
-            staging_pool=staging_pool,
-            num_workers=num_workers,
-            transfer_timeout_s=float(transfer_timeout_s),
-            slot_timeout_s=float(slot_timeout_s),
+            self.rooms, transport, kv_pool, staging_pool=staging_pool, num_workers=num_workers,
+            transfer_timeout_s=float(transfer_timeout_s), slot_timeout_s=float(slot_timeout_s),
             session_slots=int(session_slots),
             poll_interval_s=None if poll_interval_s is None else float(poll_interval_s),
-            kv_region=kv_region,
-            staging_region=staging_region,
+            kv_region=kv_region, staging_region=staging_region,
             fail_session_on_disconnect=bool(fail_session_on_disconnect),
-        )
+        )  # fmt: skip
         self._workers = self.pipeline.workers
-
-    # ------------------------------------------------------------------ read-only views
 
     # The settings live in the pipeline, whose workers read them; the manager shows them
     # read-only, fixed at construction.
@@ -387,20 +375,11 @@ class KVManager:
         notices = self.notifier.counts()
         # mutant-site: stats-return
         return ManagerStats(
-            open_rooms=open_rooms,
-            transfers_inflight=inflight,
-            transfers_draining=draining,
-            rooms_failed_by_code=by_code,
-            notices_sent=notices.sent,
-            notices_failed=notices.failed,
-            notices_withheld=notices.withheld,
-            notices_queued=notices.queued,
-            notices_pending=notices.pending,
-            notices_skipped_dead=notices.skipped_dead,
-            **counts,
-        )
-
-    # ------------------------------------------------------------------ lifecycle
+            open_rooms=open_rooms, transfers_inflight=inflight, transfers_draining=draining,
+            rooms_failed_by_code=by_code, notices_sent=notices.sent, notices_failed=notices.failed,
+            notices_withheld=notices.withheld, notices_queued=notices.queued,
+            notices_pending=notices.pending, notices_skipped_dead=notices.skipped_dead, **counts,
+        )  # fmt: skip
 
     def open_room(self, room: int, session_ids: Sequence[str]) -> RoomHandle:
         """Open ``room`` for ``session_ids`` (status ``Bootstrapping``). Thread-safe; atomic,
@@ -454,13 +433,9 @@ class KVManager:
         return self.rooms.add_info(handle, info)
 
     def vet_info(
-        self,
-        info: TransferInfo,
-        session_ids: Sequence[str] | None,
-        room: int,
-        *,
+        self, info: TransferInfo, session_ids: Sequence[str] | None, room: int, *,
         peers: bool = True,
-    ) -> tuple[TransferInfo, bool]:
+    ) -> tuple[TransferInfo, bool]:  # fmt: skip
         """:meth:`add_transfer_info`'s checks without a room: ``(normalised info, whether its
         session is a peer of the transport)``. ``session_ids=None`` skips the session check,
         ``peers=False`` those against the peers. Reads only; thread-safe.
@@ -683,12 +658,9 @@ def _check_staged_page(info: TransferInfo, kv_page_bytes: int, pool_page_bytes: 
 
 
 def _check_transport(
-    transport: object,
-    kv_pool: torch.Tensor,
-    kv_region: str,
-    staging_region: str,
+    transport: object, kv_pool: torch.Tensor, kv_region: str, staging_region: str,
     staging_pool: StagingBufferPool | None,
-) -> None:
+) -> None:  # fmt: skip
     """ValueError for a configuration the first transfer would fail on (a transport without
     ``closed``/``regions``, a test double, passes)."""
     if getattr(transport, "closed", False) is True:

@@ -260,11 +260,7 @@ class SenderCollector:
 
     @classmethod
     def from_manager(
-        cls,
-        manager: Any,
-        *,
-        labels: Mapping[str, str] | None = None,
-        namespace: str = NAMESPACE,
+        cls, manager: Any, *, labels: Mapping[str, str] | None = None, namespace: str = NAMESPACE
     ) -> SenderCollector:
         """A collector over ``manager`` and its ``transport``, ``staging`` and
         ``staging_pool``.
@@ -272,14 +268,8 @@ class SenderCollector:
         Raises:
             TypeError, ValueError: as the constructor.
         """
-        return cls(
-            manager,
-            getattr(manager, "transport", None),
-            getattr(manager, "staging", None),
-            getattr(manager, "staging_pool", None),
-            labels=labels,
-            namespace=namespace,
-        )
+        parts = (getattr(manager, name, None) for name in ("transport", "staging", "staging_pool"))
+        return cls(manager, *parts, labels=labels, namespace=namespace)
 
     def scrape_errors(self) -> dict[str, int]:
         """``stats()`` calls that raised during scrapes, by source. Thread-safe; raises nothing."""
