@@ -78,11 +78,8 @@ class FanOut:
 
     def __init__(self, *listeners: ManagerEvents) -> None:
         for i, listener in enumerate(listeners):
-            missing = [
-                name
-                for name in ("room_concluded", "chunk_ended")
-                if not callable(getattr(listener, name, None))
-            ]
+            names = ("room_concluded", "chunk_ended")
+            missing = [n for n in names if not callable(getattr(listener, n, None))]
             if missing:
                 raise TypeError(
                     f"listener {i} ({type(listener).__name__}) has no callable "
@@ -139,9 +136,5 @@ class FanOut:
             with contextlib.suppress(Exception):  # nor may a broken handler reach the manager
                 logger.warning(
                     "metrics listener %d (%s) raised %s; its errors are counted and "
-                    "swallowed from now on",
-                    index,
-                    type(listener).__name__,
-                    text,
-                    exc_info=exc,
-                )
+                    "swallowed from now on", index, type(listener).__name__, text, exc_info=exc,
+                )  # fmt: skip

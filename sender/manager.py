@@ -117,27 +117,15 @@ class KVManager:
     """
 
     def __init__(
-        self,
-        transport: TransportLike,
-        kv_pool: torch.Tensor,
-        *,
-        num_workers: int = 2,
-        staging: StagingContext | None = None,
-        staging_pool: StagingBufferPool | None = None,
-        transfer_timeout_s: float = 30.0,
-        slot_timeout_s: float = 5.0,
-        session_slots: int | None = None,
-        lock: str = "mutex",
-        debug: bool | None = None,
-        poll_interval_s: float | None = None,
-        kv_region: str = "kv",
-        staging_region: str = "staging",
-        fail_session_on_disconnect: bool = True,
-        notify_decode: bool = True,
-        events: ManagerEvents | None = None,
-    ) -> None:
-        """Make a :class:`KVManager`: every argument and what it raises are in the
-        class docstring (``help(KVManager)``)."""
+        self, transport: TransportLike, kv_pool: torch.Tensor, *, num_workers: int = 2,
+        staging: StagingContext | None = None, staging_pool: StagingBufferPool | None = None,
+        transfer_timeout_s: float = 30.0, slot_timeout_s: float = 5.0,
+        session_slots: int | None = None, lock: str = "mutex", debug: bool | None = None,
+        poll_interval_s: float | None = None, kv_region: str = "kv",
+        staging_region: str = "staging", fail_session_on_disconnect: bool = True,
+        notify_decode: bool = True, events: ManagerEvents | None = None,
+    ) -> None:  # fmt: skip
+        """Make one: its arguments and what it raises are in ``help(KVManager)``."""
         check_index(num_workers, "num_workers")
         if kv_pool.dim() != 2 or kv_pool.dtype != torch.uint8:
             raise TypeError("kv_pool must be a 2-D uint8 tensor [num_pages, page_bytes]")
@@ -465,9 +453,7 @@ class KVManager:
                 return info, False
             region = regions.get(info.dst_region)
             if region is None:
-                raise ValueError(
-                    f"session {info.session_id!r} has no region {info.dst_region!r}"
-                )
+                raise ValueError(f"session {info.session_id!r} has no region {info.dst_region!r}")
             if info.dst_checked is not None and info.dst_checked.max_page >= region.num_pages:
                 raise ValueError(
                     f"dst_pages of session {info.session_id!r} reach page "

@@ -235,16 +235,11 @@ class SenderCollector:
     _OWN_LABELS = ("outcome", "code", "result", "component", "lock", "mode", "source")
 
     def __init__(
-        self,
-        manager: _HasStats | None = None,
-        transport: _HasStats | None = None,
-        staging: _HasStats | None = None,
-        pool: _HasStats | None = None,
-        *,
-        locks: Sequence[_HasStats] = (),
-        labels: Mapping[str, str] | None = None,
+        self, manager: _HasStats | None = None, transport: _HasStats | None = None,
+        staging: _HasStats | None = None, pool: _HasStats | None = None, *,
+        locks: Sequence[_HasStats] = (), labels: Mapping[str, str] | None = None,
         namespace: str = NAMESPACE,
-    ) -> None:
+    ) -> None:  # fmt: skip
         sources = {"manager": manager, "transport": transport, "staging": staging, "pool": pool}
         sources.update((f"lock[{i}]", lock) for i, lock in enumerate(locks))
         for what, source in sources.items():
@@ -347,14 +342,11 @@ class LatencyHistograms:
     """
 
     def __init__(
-        self,
-        registry: CollectorRegistry | None = None,
-        *,
+        self, registry: CollectorRegistry | None = None, *,
         room_buckets: Sequence[float] = ROOM_BUCKETS_S,
         chunk_buckets: Sequence[float] = CHUNK_BUCKETS_S,
-        labels: Mapping[str, str] | None = None,
-        namespace: str = NAMESPACE,
-    ) -> None:
+        labels: Mapping[str, str] | None = None, namespace: str = NAMESPACE,
+    ) -> None:  # fmt: skip
         reg = REGISTRY if registry is None else registry
         const = _check_labels(labels, ("outcome", "code"))
         self._const = tuple(const.values())

@@ -75,14 +75,10 @@ class NixlKVSender:
     """
 
     def __init__(
-        self,
-        mgr: KVManager,
-        bootstrap_room: int,
-        session_ids: Sequence[str],
+        self, mgr: KVManager, bootstrap_room: int, session_ids: Sequence[str],
         transfer_infos: Sequence[TransferInfo] = (),
-    ) -> None:
-        """Make a :class:`NixlKVSender`: every argument and what it raises are in the
-        class docstring (``help(NixlKVSender)``)."""
+    ) -> None:  # fmt: skip
+        """Make one: its arguments and what it raises are in ``help(NixlKVSender)``."""
         if isinstance(session_ids, (str, bytes)):
             raise TypeError(
                 f"session_ids must be a sequence of session id strings, got {session_ids!r}"
