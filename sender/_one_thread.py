@@ -59,13 +59,9 @@ class OneThreadCheck:
                 return self
             inside = self._method
         raise ConcurrentSenderUseError(
-            self._room,
-            method,
-            thread_label(me),
-            inside,
-            thread_label(owner),
+            self._room, method, thread_label(me), inside, thread_label(owner),
             generation=self._generation,
-        )
+        )  # fmt: skip
 
     def leave(self) -> None:
         """The calling thread leaves the method it entered last. Never raises."""

@@ -203,15 +203,8 @@ def _rebuild(
 
 
 def _nixl_classes(*names: str) -> tuple[type[BaseException], ...]:
-    b = _nixl.bindings
-    if b is None:
-        return ()
-    found: list[type[BaseException]] = []
-    for n in names:
-        cls = getattr(b, n, None)
-        if isinstance(cls, type) and issubclass(cls, BaseException):
-            found.append(cls)
-    return tuple(found)
+    found = (getattr(_nixl.bindings, n, None) for n in names)  # no bindings: none found
+    return tuple(c for c in found if isinstance(c, type) and issubclass(c, BaseException))
 
 
 _OURS: tuple[type[BaseException], ...] = (

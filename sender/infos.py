@@ -84,11 +84,7 @@ def make_transfer_info(
 
 
 def _checked_dst(pages: PageArray) -> CheckedPages | None:
-    """``pages`` as distinct :class:`CheckedPages`, or ``None`` if empty.
-
-    Raises:
-        ValueError: a negative page, a page of ``2**31`` or more, or a repeated page.
-    """
+    """``pages`` as distinct :class:`CheckedPages` (``None`` if empty); ValueError if not."""
     if pages.size == 0:
         return None
     try:

@@ -87,22 +87,16 @@ class _Families:
         self._const = dict(const)
         self.out: dict[str, Metric] = {}
 
-    def _family(self, kind: str, name: str, doc: str, labels: Sequence[str]) -> Metric:
-        full = f"{self._ns}_{name}"
-        family = self.out.get(full)
-        if family is None:
-            names = [*self._const, *labels]
-            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = cls(full, doc, labels=names)
-            self.out[full] = family
-        return family
-
     def add(self, kind: str, name: str, doc: str, value: float | None, **labels: str) -> None:
         """One sample of ``kind`` (``"counter"``/``"gauge"``) ``name`` (a counter's without
         ``_total``); ``None`` adds nothing."""
         if value is None:
             return
-        fam = self._family(kind, name, doc, list(labels))
+        full = f"{self._ns}_{name}"
+        fam = self.out.get(full)
+        if fam is None:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            fam = self.out[full] = cls(full, doc, labels=[*self._const, *labels])
         fam.add_metric([*self._const.values(), *labels.values()], value)  # type: ignore[attr-defined]
 
 

@@ -110,11 +110,6 @@ class Notifier:
         with self._lock:
             self._held[handle] = (notice, sessions)
 
-    def is_held(self, handle: RoomHandle) -> bool:
-        """``True`` while a notice of that opening waits for it to drain."""
-        with self._lock:
-            return handle in self._held
-
     def drained(self, handle: RoomHandle) -> bool:
         """The opening's last posted chunk ended: queue its held notice (``True`` if one was
         held)."""
