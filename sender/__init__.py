@@ -51,18 +51,14 @@ def __getattr__(name: str) -> Any:
     Raises:
         AttributeError: not an exported name.
     """
-    module = _EXPORTS.get(name)
-    if module is None and name in _MOVED:
+    if name in _MOVED:
         module = _MOVED[name]
-        warnings.warn(
-            f"sender.{name} moved to {module}.{name} (the decode peer is test harness)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        message = f"sender.{name} moved to {module}.{name} (the decode peer is test harness)"
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(module), name)
-    if module is None:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'sender' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

@@ -326,13 +326,11 @@ class KVManager:
             LockTimeoutError: the staging context's ``lock_timeout`` elapsed.
         """
         room = check_room_id(room)
-        held: list[str] = []
         rooms = self.rooms
         with self._room_lock.read():
             entry = rooms.rooms.get(room)
-            for name, table in (("rooms", rooms.rooms), *rooms.tables_locked()):
-                if room in table:
-                    held.append(name)
+            tables = (("rooms", rooms.rooms), *rooms.tables_locked())
+            held = [name for name, table in tables if room in table]
             if entry is not None and entry.inflight:
                 held.append("inflight")
             if any(c.handle.room == room for c in rooms.draining.values()):
