@@ -29,13 +29,9 @@ _UNCHECKED: AbstractContextManager[None] = nullcontext()
 def _as_indices(kv_indices: Sequence[int] | PageArray, what: str, num_pages: int) -> PageArray:
     """Validate 1-D integer page indices (bools refused) as a contiguous int64 array; the
     bounds check is the manager's, except a uint64 past int64's range."""
-    if (
-        type(kv_indices) is np.ndarray
-        and kv_indices.dtype is _INT64
-        and kv_indices.ndim == 1
-        and kv_indices.flags.c_contiguous
-    ):
-        return kv_indices  # the common case: already what the manager takes
+    k = kv_indices
+    if type(k) is np.ndarray and k.dtype is _INT64 and k.ndim == 1 and k.flags.c_contiguous:
+        return k  # the common case: already what the manager takes
     arr = np.asarray(kv_indices)
     # dtype.kind, not np.issubdtype: cheaper, and this runs once per chunk.
     if arr.dtype.kind == "b" or (arr.size and arr.dtype.kind not in "iu"):
