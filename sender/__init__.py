@@ -15,29 +15,23 @@ from typing import TYPE_CHECKING, Any
 from staging._version import __version__, install_extra_hint
 
 if TYPE_CHECKING:
-    from sender.errors import (
-        TRANSPORT_ERRORS,
-        KVTransferError,
-        RoomNotFailedError,
-        TransportError,
-    )
+    from sender.errors import TRANSPORT_ERRORS, KVTransferError, RoomNotFailedError, TransportError
     from sender.manager import KVManager, ManagerStats, TransferInfo, make_transfer_info
     from sender.nixl_sender import NixlKVSender
     from sender.poll import KVPoll
     from sender.transport import NixlTransport
 
 _EXPORTS = {
-    "KVManager": "sender.manager",
-    "ManagerStats": "sender.manager",
-    "TransferInfo": "sender.manager",
-    "make_transfer_info": "sender.manager",
-    "NixlKVSender": "sender.nixl_sender",
-    "KVPoll": "sender.poll",
-    "NixlTransport": "sender.transport",
-    "TRANSPORT_ERRORS": "sender.errors",
-    "KVTransferError": "sender.errors",
-    "RoomNotFailedError": "sender.errors",
-    "TransportError": "sender.errors",
+    name: module
+    for module, names in (
+        ("sender.manager", ("KVManager", "ManagerStats", "TransferInfo", "make_transfer_info")),
+        ("sender.nixl_sender", ("NixlKVSender",)),
+        ("sender.poll", ("KVPoll",)),
+        ("sender.transport", ("NixlTransport",)),
+        ("sender.errors", ("TRANSPORT_ERRORS", "KVTransferError", "RoomNotFailedError",
+                           "TransportError")),
+    )
+    for name in names
 }
 """Public name -> the module that defines it (imported lazily by :func:`__getattr__`)."""
 
@@ -45,20 +39,9 @@ _MOVED = {"DecodePeer": "stress.harness.peer", "PeerProcess": "stress.harness.pe
 """Deprecated names -> their module now (resolved with a :class:`DeprecationWarning`)."""
 
 __all__ = [  # a literal, for linters; == the two constants, __version__ and _EXPORTS
-    "EXTRA_MODULES",
-    "NIXL_BACKENDS",
-    "TRANSPORT_ERRORS",
-    "KVManager",
-    "KVPoll",
-    "KVTransferError",
-    "ManagerStats",
-    "NixlKVSender",
-    "NixlTransport",
-    "RoomNotFailedError",
-    "TransferInfo",
-    "TransportError",
-    "__version__",
-    "make_transfer_info",
+    "EXTRA_MODULES", "NIXL_BACKENDS", "TRANSPORT_ERRORS", "KVManager", "KVPoll", "KVTransferError",
+    "ManagerStats", "NixlKVSender", "NixlTransport", "RoomNotFailedError", "TransferInfo",
+    "TransportError", "__version__", "make_transfer_info",
 ]
 
 
@@ -68,18 +51,14 @@ def __getattr__(name: str) -> Any:
     Raises:
         AttributeError: not an exported name.
     """
-    module = _EXPORTS.get(name)
-    if module is None and name in _MOVED:
+    if name in _MOVED:
         module = _MOVED[name]
-        warnings.warn(
-            f"sender.{name} moved to {module}.{name} (the decode peer is test harness)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        message = f"sender.{name} moved to {module}.{name} (the decode peer is test harness)"
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(module), name)
-    if module is None:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'sender' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

@@ -38,8 +38,9 @@ class OneThreadCheck:
         self._room = room
         self._generation = generation
 
-    def enter(self, method: str) -> None:
-        """The calling thread enters ``method``; pair it with :meth:`leave`.
+    def enter(self, method: str) -> OneThreadCheck:
+        """The calling thread enters ``method``; pair it with :meth:`leave`, or use the
+        returned check as a context manager that leaves on exit.
 
         Raises:
             ConcurrentSenderUseError: another thread is inside (names both threads and both
@@ -52,19 +53,15 @@ class OneThreadCheck:
                 self._owner = me
                 self._method = method
                 self._depth = 1
-                return
+                return self
             if owner is me:
                 self._depth += 1
-                return
+                return self
             inside = self._method
         raise ConcurrentSenderUseError(
-            self._room,
-            method,
-            thread_label(me),
-            inside,
-            thread_label(owner),
+            self._room, method, thread_label(me), inside, thread_label(owner),
             generation=self._generation,
-        )
+        )  # fmt: skip
 
     def leave(self) -> None:
         """The calling thread leaves the method it entered last. Never raises."""
@@ -74,3 +71,9 @@ class OneThreadCheck:
                 self._depth = 0
                 self._owner = None
                 self._method = ""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()

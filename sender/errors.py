@@ -16,23 +16,10 @@ from typing import Any
 from sender import _nixl
 
 __all__ = [
-    "AgentSetupError",
-    "ConcurrentSenderUseError",
-    "KVTransferError",
-    "PARAM_ERRORS",
-    "PeerNotFoundError",
-    "RegionRetiredError",
-    "RoomNotFailedError",
-    "TRANSPORT_ERRORS",
-    "TransferFailedError",
-    "TransferReleasedError",
-    "TransferTimeoutError",
-    "TransportClosedError",
-    "TransportError",
-    "TransportParamError",
-    "as_param_error",
-    "classify",
-    "status_name",
+    "AgentSetupError", "ConcurrentSenderUseError", "KVTransferError", "PARAM_ERRORS",
+    "PeerNotFoundError", "RegionRetiredError", "RoomNotFailedError", "TRANSPORT_ERRORS",
+    "TransferFailedError", "TransferReleasedError", "TransferTimeoutError", "TransportClosedError",
+    "TransportError", "TransportParamError", "as_param_error", "classify", "status_name",
 ]
 
 
@@ -141,24 +128,12 @@ class KVTransferError(RuntimeError):
     """
 
     def __init__(
-        self,
-        room: int,
-        reason: str,
-        is_from_another_rank: bool = False,
-        *,
-        generation: int | None = None,
-        session_id: str | None = None,
-        chunk_idx: int | None = None,
-    ) -> None:
-        where = [
-            text
-            for text in (
-                None if generation is None else f"generation {generation}",
-                None if session_id is None else f"session {session_id!r}",
-                None if chunk_idx is None else f"chunk {chunk_idx}",
-            )
-            if text is not None
-        ]
+        self, room: int, reason: str, is_from_another_rank: bool = False, *,
+        generation: int | None = None, session_id: str | None = None, chunk_idx: int | None = None,
+    ) -> None:  # fmt: skip
+        where = [] if generation is None else [f"generation {generation}"]
+        where += [] if session_id is None else [f"session {session_id!r}"]
+        where += [] if chunk_idx is None else [f"chunk {chunk_idx}"]
         context = f" ({', '.join(where)})" if where else ""
         super().__init__(f"{self._headline} for room {room}{context}: {reason}")
         self.room = room
@@ -177,14 +152,8 @@ class KVTransferError(RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         args, kwargs = self._pickled
-        return (
-            _rebuild,
-            (
-                type(self),
-                tuple(getattr(self, a) for a in args),
-                {k: getattr(self, k) for k in kwargs},
-            ),
-        )
+        state = tuple(getattr(self, a) for a in args), {k: getattr(self, k) for k in kwargs}
+        return _rebuild, (type(self), *state)
 
 
 class RoomNotFailedError(KVTransferError):
@@ -210,15 +179,9 @@ class ConcurrentSenderUseError(KVTransferError):
     _pickled = ("room", "method", "thread", "other_method", "other_thread"), ("generation",)
 
     def __init__(
-        self,
-        room: int,
-        method: str,
-        thread: str,
-        other_method: str,
-        other_thread: str,
-        *,
+        self, room: int, method: str, thread: str, other_method: str, other_thread: str, *,
         generation: int | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__(
             room,
             f"thread {thread} called {method}() while thread {other_thread} was inside "
@@ -240,49 +203,33 @@ def _rebuild(
 
 
 def _nixl_classes(*names: str) -> tuple[type[BaseException], ...]:
-    b = _nixl.bindings
-    if b is None:
-        return ()
-    found: list[type[BaseException]] = []
-    for n in names:
-        cls = getattr(b, n, None)
-        if isinstance(cls, type) and issubclass(cls, BaseException):
-            found.append(cls)
-    return tuple(found)
+    found = (getattr(_nixl.bindings, n, None) for n in names)  # no bindings: none found
+    return tuple(c for c in found if isinstance(c, type) and issubclass(c, BaseException))
 
 
 _OURS: tuple[type[BaseException], ...] = (
-    TransferTimeoutError,
-    TransferFailedError,
-    TransportClosedError,
-    PeerNotFoundError,
+    TransferTimeoutError, TransferFailedError, TransportClosedError, PeerNotFoundError,
     RegionRetiredError,
-)
+)  # fmt: skip
 
 TRANSPORT_ERRORS: tuple[type[BaseException], ...]
 if _nixl.AVAILABLE:
     TRANSPORT_ERRORS = (
         *_nixl_classes(
-            "nixlRemoteDisconnectError",
-            "nixlBackendError",
-            "nixlCancelledError",
+            "nixlRemoteDisconnectError", "nixlBackendError", "nixlCancelledError",
             "nixlNotFoundError",
         ),
         *_OURS,
-    )
+    )  # fmt: skip
 else:
     # Without NIXL, RuntimeError stands in for its classes (which do NOT subclass it).
     TRANSPORT_ERRORS = (RuntimeError, *_OURS)
 
 # NIXL statuses that mean "the caller passed something wrong" (never a dead peer).
 PARAM_ERRORS: tuple[type[BaseException], ...] = _nixl_classes(
-    "nixlInvalidParamError",
-    "nixlMismatchError",
-    "nixlNotAllowedError",
-    "nixlNotPostedError",
-    "nixlNotSupportedError",
-    "nixlRepostActiveError",
-)
+    "nixlInvalidParamError", "nixlMismatchError", "nixlNotAllowedError", "nixlNotPostedError",
+    "nixlNotSupportedError", "nixlRepostActiveError",
+)  # fmt: skip
 
 
 def classify(exc: BaseException) -> bool:

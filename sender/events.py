@@ -18,12 +18,7 @@ from typing import Protocol, runtime_checkable
 from sender.notices import CODES
 
 __all__ = [
-    "CHUNK_OUTCOMES",
-    "ROOM_CODES",
-    "ROOM_OUTCOMES",
-    "FanOut",
-    "FanOutStats",
-    "ManagerEvents",
+    "CHUNK_OUTCOMES", "ROOM_CODES", "ROOM_OUTCOMES", "FanOut", "FanOutStats", "ManagerEvents",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,11 +78,8 @@ class FanOut:
 
     def __init__(self, *listeners: ManagerEvents) -> None:
         for i, listener in enumerate(listeners):
-            missing = [
-                name
-                for name in ("room_concluded", "chunk_ended")
-                if not callable(getattr(listener, name, None))
-            ]
+            names = ("room_concluded", "chunk_ended")
+            missing = [n for n in names if not callable(getattr(listener, n, None))]
             if missing:
                 raise TypeError(
                     f"listener {i} ({type(listener).__name__}) has no callable "
@@ -114,25 +106,20 @@ class FanOut:
         self, room: int, generation: int, outcome: str, code: str, seconds: float
     ) -> None:
         """Pass a room conclusion to every listener. Thread-safe. Raises: nothing."""
-        self._count_event()
-        for i, listener in enumerate(self._listeners):
-            try:
-                listener.room_concluded(room, generation, outcome, code, seconds)
-            except Exception as exc:
-                self._failed(i, listener, exc)
+        self._pass("room_concluded", room, generation, outcome, code, seconds)
 
     def chunk_ended(self, session_id: str, outcome: str, seconds: float, nbytes: int) -> None:
         """Pass a chunk end to every listener. Thread-safe. Raises: nothing."""
-        self._count_event()
-        for i, listener in enumerate(self._listeners):
-            try:
-                listener.chunk_ended(session_id, outcome, seconds, nbytes)
-            except Exception as exc:
-                self._failed(i, listener, exc)
+        self._pass("chunk_ended", session_id, outcome, seconds, nbytes)
 
-    def _count_event(self) -> None:
+    def _pass(self, method: str, *args: object) -> None:
         with self._lock:
             self._events += 1
+        for i, listener in enumerate(self._listeners):
+            try:
+                getattr(listener, method)(*args)
+            except Exception as exc:
+                self._failed(i, listener, exc)
 
     def _failed(self, index: int, listener: object, exc: Exception) -> None:
         try:
@@ -149,9 +136,5 @@ class FanOut:
             with contextlib.suppress(Exception):  # nor may a broken handler reach the manager
                 logger.warning(
                     "metrics listener %d (%s) raised %s; its errors are counted and "
-                    "swallowed from now on",
-                    index,
-                    type(listener).__name__,
-                    text,
-                    exc_info=exc,
-                )
+                    "swallowed from now on", index, type(listener).__name__, text, exc_info=exc,
+                )  # fmt: skip

@@ -45,13 +45,9 @@ dead info is never mistaken for it)."""
 
 
 def make_transfer_info(
-    session_id: str,
-    dst_pages: Sequence[int] | PageArray,
-    *,
-    decode_prefix_len: int = 0,
-    byte_range: tuple[int, int] | None = None,
-    dst_region: str = "kv",
-) -> TransferInfo:
+    session_id: str, dst_pages: Sequence[int] | PageArray, *, decode_prefix_len: int = 0,
+    byte_range: tuple[int, int] | None = None, dst_region: str = "kv",
+) -> TransferInfo:  # fmt: skip
     """Validate and freeze a :class:`TransferInfo`.
 
     Raises:
@@ -88,11 +84,7 @@ def make_transfer_info(
 
 
 def _checked_dst(pages: PageArray) -> CheckedPages | None:
-    """``pages`` as distinct :class:`CheckedPages`, or ``None`` if empty.
-
-    Raises:
-        ValueError: a negative page, a page of ``2**31`` or more, or a repeated page.
-    """
+    """``pages`` as distinct :class:`CheckedPages` (``None`` if empty); ValueError if not."""
     if pages.size == 0:
         return None
     try:
@@ -105,9 +97,7 @@ def _checked_dst(pages: PageArray) -> CheckedPages | None:
         raise ValueError(f"dst_pages holds page {int(pages.max())}: NIXL page indices are < 2**31")
     ordered = np.sort(pages)
     repeated = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
-    raise ValueError(
-        f"dst_pages repeats page {repeated}: each decode page receives one room page"
-    )
+    raise ValueError(f"dst_pages repeats page {repeated}: each decode page receives one room page")
 
 
 def checked_info(info: TransferInfo) -> TransferInfo:
@@ -120,9 +110,6 @@ def checked_info(info: TransferInfo) -> TransferInfo:
     if _MADE_INFOS.get(id(info)) is info:
         return info
     return make_transfer_info(
-        info.session_id,
-        info.dst_pages,
-        decode_prefix_len=info.decode_prefix_len,
-        byte_range=info.byte_range,
-        dst_region=info.dst_region,
-    )
+        info.session_id, info.dst_pages, decode_prefix_len=info.decode_prefix_len,
+        byte_range=info.byte_range, dst_region=info.dst_region,
+    )  # fmt: skip

@@ -34,16 +34,8 @@ from staging.locks import MutexLock, RWLock
 from staging.validate import check_index, check_room_id, check_seconds, check_session_id
 
 __all__ = [
-    "SESSION_FATAL_ERRORS",
-    "Chunk",
-    "KVManager",
-    "ManagerPurge",
-    "ManagerStats",
-    "PageArray",
-    "TransferInfo",
-    "TransferLike",
-    "TransportLike",
-    "make_transfer_info",
+    "SESSION_FATAL_ERRORS", "Chunk", "KVManager", "ManagerPurge", "ManagerStats", "PageArray",
+    "TransferInfo", "TransferLike", "TransportLike", "make_transfer_info",
 ]
 
 _CLAIMED_END_GRACE_S = 0.5
@@ -125,27 +117,15 @@ class KVManager:
     """
 
     def __init__(
-        self,
-        transport: TransportLike,
-        kv_pool: torch.Tensor,
-        *,
-        num_workers: int = 2,
-        staging: StagingContext | None = None,
-        staging_pool: StagingBufferPool | None = None,
-        transfer_timeout_s: float = 30.0,
-        slot_timeout_s: float = 5.0,
-        session_slots: int | None = None,
-        lock: str = "mutex",
-        debug: bool | None = None,
-        poll_interval_s: float | None = None,
-        kv_region: str = "kv",
-        staging_region: str = "staging",
-        fail_session_on_disconnect: bool = True,
-        notify_decode: bool = True,
-        events: ManagerEvents | None = None,
-    ) -> None:
-        """Make a :class:`KVManager`: every argument and what it raises are in the
-        class docstring (``help(KVManager)``)."""
+        self, transport: TransportLike, kv_pool: torch.Tensor, *, num_workers: int = 2,
+        staging: StagingContext | None = None, staging_pool: StagingBufferPool | None = None,
+        transfer_timeout_s: float = 30.0, slot_timeout_s: float = 5.0,
+        session_slots: int | None = None, lock: str = "mutex", debug: bool | None = None,
+        poll_interval_s: float | None = None, kv_region: str = "kv",
+        staging_region: str = "staging", fail_session_on_disconnect: bool = True,
+        notify_decode: bool = True, events: ManagerEvents | None = None,
+    ) -> None:  # fmt: skip
+        """Make one: its arguments and what it raises are in ``help(KVManager)``."""
         check_index(num_workers, "num_workers")
         if kv_pool.dim() != 2 or kv_pool.dtype != torch.uint8:
             raise TypeError("kv_pool must be a 2-D uint8 tensor [num_pages, page_bytes]")
@@ -181,32 +161,20 @@ class KVManager:
             disconnected if callable(disconnected) else None,
         )
         self.rooms = RoomTable(
-            self.staging,
-            pool=staging_pool,
-            notifier=self.notifier,
-            lock=lock,
-            debug=debug,
+            self.staging, pool=staging_pool, notifier=self.notifier, lock=lock, debug=debug,
             events=events,
-        )
+        )  # fmt: skip
         self.failure_lock: RWLock | MutexLock = self.rooms.failure_lock
         self._room_lock: RWLock | MutexLock = self.rooms.lock
         self.pipeline = ChunkPipeline(
-            self.rooms,
-            transport,
-            kv_pool,
-            staging_pool=staging_pool,
-            num_workers=num_workers,
-            transfer_timeout_s=float(transfer_timeout_s),
-            slot_timeout_s=float(slot_timeout_s),
+            self.rooms, transport, kv_pool, staging_pool=staging_pool, num_workers=num_workers,
+            transfer_timeout_s=float(transfer_timeout_s), slot_timeout_s=float(slot_timeout_s),
             session_slots=int(session_slots),
             poll_interval_s=None if poll_interval_s is None else float(poll_interval_s),
-            kv_region=kv_region,
-            staging_region=staging_region,
+            kv_region=kv_region, staging_region=staging_region,
             fail_session_on_disconnect=bool(fail_session_on_disconnect),
-        )
+        )  # fmt: skip
         self._workers = self.pipeline.workers
-
-    # ------------------------------------------------------------------ read-only views
 
     # The settings live in the pipeline, whose workers read them; the manager shows them
     # read-only, fixed at construction.
@@ -358,13 +326,11 @@ class KVManager:
             LockTimeoutError: the staging context's ``lock_timeout`` elapsed.
         """
         room = check_room_id(room)
-        held: list[str] = []
         rooms = self.rooms
         with self._room_lock.read():
             entry = rooms.rooms.get(room)
-            for name, table in (("rooms", rooms.rooms), *rooms.tables_locked()):
-                if room in table:
-                    held.append(name)
+            tables = (("rooms", rooms.rooms), *rooms.tables_locked())
+            held = [name for name, table in tables if room in table]
             if entry is not None and entry.inflight:
                 held.append("inflight")
             if any(c.handle.room == room for c in rooms.draining.values()):
@@ -395,20 +361,11 @@ class KVManager:
         notices = self.notifier.counts()
         # mutant-site: stats-return
         return ManagerStats(
-            open_rooms=open_rooms,
-            transfers_inflight=inflight,
-            transfers_draining=draining,
-            rooms_failed_by_code=by_code,
-            notices_sent=notices.sent,
-            notices_failed=notices.failed,
-            notices_withheld=notices.withheld,
-            notices_queued=notices.queued,
-            notices_pending=notices.pending,
-            notices_skipped_dead=notices.skipped_dead,
-            **counts,
-        )
-
-    # ------------------------------------------------------------------ lifecycle
+            open_rooms=open_rooms, transfers_inflight=inflight, transfers_draining=draining,
+            rooms_failed_by_code=by_code, notices_sent=notices.sent, notices_failed=notices.failed,
+            notices_withheld=notices.withheld, notices_queued=notices.queued,
+            notices_pending=notices.pending, notices_skipped_dead=notices.skipped_dead, **counts,
+        )  # fmt: skip
 
     def open_room(self, room: int, session_ids: Sequence[str]) -> RoomHandle:
         """Open ``room`` for ``session_ids`` (status ``Bootstrapping``). Thread-safe; atomic,
@@ -462,13 +419,9 @@ class KVManager:
         return self.rooms.add_info(handle, info)
 
     def vet_info(
-        self,
-        info: TransferInfo,
-        session_ids: Sequence[str] | None,
-        room: int,
-        *,
+        self, info: TransferInfo, session_ids: Sequence[str] | None, room: int, *,
         peers: bool = True,
-    ) -> tuple[TransferInfo, bool]:
+    ) -> tuple[TransferInfo, bool]:  # fmt: skip
         """:meth:`add_transfer_info`'s checks without a room: ``(normalised info, whether its
         session is a peer of the transport)``. ``session_ids=None`` skips the session check,
         ``peers=False`` those against the peers. Reads only; thread-safe.
@@ -498,9 +451,7 @@ class KVManager:
                 return info, False
             region = regions.get(info.dst_region)
             if region is None:
-                raise ValueError(
-                    f"session {info.session_id!r} has no region {info.dst_region!r}"
-                )
+                raise ValueError(f"session {info.session_id!r} has no region {info.dst_region!r}")
             if info.dst_checked is not None and info.dst_checked.max_page >= region.num_pages:
                 raise ValueError(
                     f"dst_pages of session {info.session_id!r} reach page "
@@ -691,12 +642,9 @@ def _check_staged_page(info: TransferInfo, kv_page_bytes: int, pool_page_bytes: 
 
 
 def _check_transport(
-    transport: object,
-    kv_pool: torch.Tensor,
-    kv_region: str,
-    staging_region: str,
+    transport: object, kv_pool: torch.Tensor, kv_region: str, staging_region: str,
     staging_pool: StagingBufferPool | None,
-) -> None:
+) -> None:  # fmt: skip
     """ValueError for a configuration the first transfer would fail on (a transport without
     ``closed``/``regions``, a test double, passes)."""
     if getattr(transport, "closed", False) is True:

@@ -33,11 +33,7 @@ except ModuleNotFoundError as _exc:  # the core install and the sender extra lac
 from sender.events import CHUNK_OUTCOMES, ROOM_CODES, ROOM_OUTCOMES
 
 __all__ = [
-    "CHUNK_BUCKETS_S",
-    "NAMESPACE",
-    "ROOM_BUCKETS_S",
-    "LatencyHistograms",
-    "SenderCollector",
+    "CHUNK_BUCKETS_S", "NAMESPACE", "ROOM_BUCKETS_S", "LatencyHistograms", "SenderCollector",
 ]
 
 NAMESPACE = "nixl_staging"
@@ -91,22 +87,16 @@ class _Families:
         self._const = dict(const)
         self.out: dict[str, Metric] = {}
 
-    def _family(self, kind: str, name: str, doc: str, labels: Sequence[str]) -> Metric:
-        full = f"{self._ns}_{name}"
-        family = self.out.get(full)
-        if family is None:
-            names = [*self._const, *labels]
-            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = cls(full, doc, labels=names)
-            self.out[full] = family
-        return family
-
     def add(self, kind: str, name: str, doc: str, value: float | None, **labels: str) -> None:
         """One sample of ``kind`` (``"counter"``/``"gauge"``) ``name`` (a counter's without
         ``_total``); ``None`` adds nothing."""
         if value is None:
             return
-        fam = self._family(kind, name, doc, list(labels))
+        full = f"{self._ns}_{name}"
+        fam = self.out.get(full)
+        if fam is None:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            fam = self.out[full] = cls(full, doc, labels=[*self._const, *labels])
         fam.add_metric([*self._const.values(), *labels.values()], value)  # type: ignore[attr-defined]
 
 
@@ -239,29 +229,19 @@ class SenderCollector:
     _OWN_LABELS = ("outcome", "code", "result", "component", "lock", "mode", "source")
 
     def __init__(
-        self,
-        manager: _HasStats | None = None,
-        transport: _HasStats | None = None,
-        staging: _HasStats | None = None,
-        pool: _HasStats | None = None,
-        *,
-        locks: Sequence[_HasStats] = (),
-        labels: Mapping[str, str] | None = None,
+        self, manager: _HasStats | None = None, transport: _HasStats | None = None,
+        staging: _HasStats | None = None, pool: _HasStats | None = None, *,
+        locks: Sequence[_HasStats] = (), labels: Mapping[str, str] | None = None,
         namespace: str = NAMESPACE,
-    ) -> None:
+    ) -> None:  # fmt: skip
         sources = {"manager": manager, "transport": transport, "staging": staging, "pool": pool}
-        for i, lock in enumerate(locks):
-            sources[f"lock[{i}]"] = lock
+        sources.update((f"lock[{i}]", lock) for i, lock in enumerate(locks))
         for what, source in sources.items():
             if source is not None and not callable(getattr(source, "stats", None)):
                 raise TypeError(f"{what}: {type(source).__name__} has no callable stats()")
         if not _LABEL_RE.fullmatch(namespace):
             raise ValueError(f"bad metric namespace {namespace!r}")
-        self._manager = manager
-        self._transport = transport
-        self._staging = staging
-        self._pool = pool
-        self._locks = tuple(locks)
+        self._sources = sources  # manager, transport, staging, pool, then lock[i]
         self._labels = _check_labels(labels, self._OWN_LABELS)
         self._namespace = namespace
         self._lock = threading.Lock()  # guards _scrape_errors
@@ -269,11 +249,7 @@ class SenderCollector:
 
     @classmethod
     def from_manager(
-        cls,
-        manager: Any,
-        *,
-        labels: Mapping[str, str] | None = None,
-        namespace: str = NAMESPACE,
+        cls, manager: Any, *, labels: Mapping[str, str] | None = None, namespace: str = NAMESPACE
     ) -> SenderCollector:
         """A collector over ``manager`` and its ``transport``, ``staging`` and
         ``staging_pool``.
@@ -281,21 +257,16 @@ class SenderCollector:
         Raises:
             TypeError, ValueError: as the constructor.
         """
-        return cls(
-            manager,
-            getattr(manager, "transport", None),
-            getattr(manager, "staging", None),
-            getattr(manager, "staging_pool", None),
-            labels=labels,
-            namespace=namespace,
-        )
+        parts = (getattr(manager, name, None) for name in ("transport", "staging", "staging_pool"))
+        return cls(manager, *parts, labels=labels, namespace=namespace)
 
     def scrape_errors(self) -> dict[str, int]:
         """``stats()`` calls that raised during scrapes, by source. Thread-safe; raises nothing."""
         with self._lock:
             return dict(self._scrape_errors)
 
-    def _stats(self, source: _HasStats | None, what: str) -> Any:
+    def _stats(self, what: str) -> Any:
+        source = self._sources[what]
         if source is None:
             return None
         try:
@@ -309,7 +280,7 @@ class SenderCollector:
         """The metric families of one scrape. Raises: nothing from the sources (a failing
         ``stats()`` is left out and counted, :meth:`scrape_errors`)."""
         f = _Families(self._namespace, self._labels)
-        manager = self._stats(self._manager, "manager")
+        manager = self._stats("manager")
         _add_rows(f, manager, _MANAGER_ROOM_ROWS)
         by_code = getattr(manager, "rooms_failed_by_code", None)
         if isinstance(by_code, Mapping):
@@ -318,14 +289,14 @@ class SenderCollector:
                 if isinstance(count, int) and not isinstance(count, bool):
                     f.add("counter", "rooms_failed", doc, float(count), code=str(code))
         _add_rows(f, manager, _MANAGER_ROWS)
-        _add_rows(f, self._stats(self._transport, "transport"), _TRANSPORT_ROWS)
-        staging = self._stats(self._staging, "staging")
+        _add_rows(f, self._stats("transport"), _TRANSPORT_ROWS)
+        staging = self._stats("staging")
         _add_rows(f, staging, _STAGING_ROWS)
         lock_stats = [getattr(staging, "lock", None)] if staging is not None else []
-        lock_stats += [self._stats(lock, f"lock[{i}]") for i, lock in enumerate(self._locks)]
+        lock_stats += [self._stats(what) for what in self._sources if what.startswith("lock[")]
         for st in lock_stats:
             _add_rows(f, st, _LOCK_ROWS, lock=str(getattr(st, "name", "?")))
-        _add_rows(f, self._stats(self._pool, "pool"), _POOL_ROWS)
+        _add_rows(f, self._stats("pool"), _POOL_ROWS)
         errors = self.scrape_errors()
         doc = "stats() calls that raised during a scrape (that source was left out)"
         f.add("counter", "scrape_errors", doc, 0.0, source="none")  # the family always exists
@@ -365,43 +336,34 @@ class LatencyHistograms:
     """
 
     def __init__(
-        self,
-        registry: CollectorRegistry | None = None,
-        *,
+        self, registry: CollectorRegistry | None = None, *,
         room_buckets: Sequence[float] = ROOM_BUCKETS_S,
         chunk_buckets: Sequence[float] = CHUNK_BUCKETS_S,
-        labels: Mapping[str, str] | None = None,
-        namespace: str = NAMESPACE,
-    ) -> None:
+        labels: Mapping[str, str] | None = None, namespace: str = NAMESPACE,
+    ) -> None:  # fmt: skip
         reg = REGISTRY if registry is None else registry
         const = _check_labels(labels, ("outcome", "code"))
         self._const = tuple(const.values())
-        names = tuple(const)
-        self.room_seconds = Histogram(
-            f"{namespace}_room_duration_seconds",
-            "room latency, from its opening to its conclusion, by outcome",
-            (*names, "outcome"),
-            registry=reg,
+
+        def metric(cls: Any, name: str, doc: str, *own: str, **kw: Any) -> Any:
+            return cls(f"{namespace}_{name}", doc, (*const, *own), registry=reg, **kw)
+
+        self.room_seconds: Histogram = metric(
+            Histogram, "room_duration_seconds",
+            "room latency, from its opening to its conclusion, by outcome", "outcome",
             buckets=_check_buckets(room_buckets, "room_buckets"),
-        )
-        self.chunk_seconds = Histogram(
-            f"{namespace}_chunk_duration_seconds",
-            "chunk latency, from its start to its end, by outcome",
-            (*names, "outcome"),
-            registry=reg,
+        )  # fmt: skip
+        self.chunk_seconds: Histogram = metric(
+            Histogram, "chunk_duration_seconds",
+            "chunk latency, from its start to its end, by outcome", "outcome",
             buckets=_check_buckets(chunk_buckets, "chunk_buckets"),
-        )
-        self.room_outcomes = Counter(
-            f"{namespace}_room_outcomes",
-            "rooms concluded, by outcome and reason code (ok for a success)",
-            (*names, "outcome", "code"),
-            registry=reg,
-        )
-        self.chunk_bytes = Counter(
-            f"{namespace}_chunk_bytes",
-            "chunk payload bytes, by how the chunk ended",
-            (*names, "outcome"),
-            registry=reg,
+        )  # fmt: skip
+        self.room_outcomes: Counter = metric(
+            Counter, "room_outcomes",
+            "rooms concluded, by outcome and reason code (ok for a success)", "outcome", "code",
+        )  # fmt: skip
+        self.chunk_bytes: Counter = metric(
+            Counter, "chunk_bytes", "chunk payload bytes, by how the chunk ended", "outcome"
         )
 
     def room_concluded(

@@ -9,6 +9,7 @@ upstream senders. ``send``/``poll`` never raise for a transport failure (docs/TH
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import NoReturn
 
 import numpy as np
@@ -22,18 +23,15 @@ from staging.validate import check_index, check_room_id, check_session_id
 
 _INT64 = np.dtype(np.int64)
 _INT64_MAX = int(np.iinfo(np.int64).max)
+_UNCHECKED: AbstractContextManager[None] = nullcontext()
 
 
 def _as_indices(kv_indices: Sequence[int] | PageArray, what: str, num_pages: int) -> PageArray:
     """Validate 1-D integer page indices (bools refused) as a contiguous int64 array; the
     bounds check is the manager's, except a uint64 past int64's range."""
-    if (
-        type(kv_indices) is np.ndarray
-        and kv_indices.dtype is _INT64
-        and kv_indices.ndim == 1
-        and kv_indices.flags.c_contiguous
-    ):
-        return kv_indices  # the common case: already what the manager takes
+    k = kv_indices
+    if type(k) is np.ndarray and k.dtype is _INT64 and k.ndim == 1 and k.flags.c_contiguous:
+        return k  # the common case: already what the manager takes
     arr = np.asarray(kv_indices)
     # dtype.kind, not np.issubdtype: cheaper, and this runs once per chunk.
     if arr.dtype.kind == "b" or (arr.size and arr.dtype.kind not in "iu"):
@@ -73,14 +71,10 @@ class NixlKVSender:
     """
 
     def __init__(
-        self,
-        mgr: KVManager,
-        bootstrap_room: int,
-        session_ids: Sequence[str],
+        self, mgr: KVManager, bootstrap_room: int, session_ids: Sequence[str],
         transfer_infos: Sequence[TransferInfo] = (),
-    ) -> None:
-        """Make a :class:`NixlKVSender`: every argument and what it raises are in the
-        class docstring (``help(NixlKVSender)``)."""
+    ) -> None:  # fmt: skip
+        """Make one: its arguments and what it raises are in ``help(NixlKVSender)``."""
         if isinstance(session_ids, (str, bytes)):
             raise TypeError(
                 f"session_ids must be a sequence of session id strings, got {session_ids!r}"
@@ -125,10 +119,7 @@ class NixlKVSender:
             ConcurrentSenderUseError: debug mode only: another thread is inside a
                 scheduler-thread method of this sender. No state changes.
         """
-        check = self._one_thread
-        if check is not None:
-            check.enter("init")  # ConcurrentSenderUseError: another thread is inside
-        try:
+        with self._inside("init"):
             num_kv_indices = check_index(num_kv_indices, "num_kv_indices")
             if aux_index is not None:
                 aux_index = check_index(aux_index, "aux_index")
@@ -137,9 +128,6 @@ class NixlKVSender:
             self.kv_mgr.init_room(self._handle, num_kv_indices)
             self.num_kv_indices = num_kv_indices
             self.aux_index = aux_index
-        finally:
-            if check is not None:
-                check.leave()
 
     def send(self, kv_indices: Sequence[int] | PageArray) -> None:
         """Send the next chunk of prefill KV pages, in room order; the one reaching
@@ -154,10 +142,7 @@ class NixlKVSender:
             ConcurrentSenderUseError: debug mode only: another thread is inside a
                 scheduler-thread method of this sender. No state changes.
         """
-        check = self._one_thread
-        if check is not None:
-            check.enter("send")  # ConcurrentSenderUseError: another thread is inside
-        try:
+        with self._inside("send"):
             arr = _as_indices(kv_indices, "kv_indices", int(self.kv_mgr.kv_pool.shape[0]))
             if self.num_kv_indices is None:
                 raise RuntimeError(f"send() before init() for room {self.bootstrap_room}")
@@ -184,9 +169,6 @@ class NixlKVSender:
                 return
             self._pages_sent = start + int(arr.size)
             self._chunk_idx += 1
-        finally:
-            if check is not None:
-                check.leave()
 
     def poll(self) -> KVPoll:
         """The room's status; a conclusion is kept in ``conclude_state``. Scheduler thread.
@@ -194,14 +176,12 @@ class NixlKVSender:
         Raises: nothing. In debug mode an overlap returns ``Failed`` (not cached) and fails
         the room with a :class:`~sender.errors.ConcurrentSenderUseError`.
         """
-        check = self._one_thread
-        if check is not None:
-            try:
-                check.enter("poll")
-            except ConcurrentSenderUseError as exc:  # poll() never raises
-                self.kv_mgr.record_failure(self._handle, exc, exc.reason)
-                return KVPoll.Failed
         try:
+            inside = self._inside("poll")
+        except ConcurrentSenderUseError as exc:  # poll() never raises
+            self.kv_mgr.record_failure(self._handle, exc, exc.reason)
+            return KVPoll.Failed
+        with inside:
             if self.conclude_state is not None:
                 return self.conclude_state
             if self._send_failed:
@@ -218,9 +198,6 @@ class NixlKVSender:
             if is_concluded(status):
                 self.conclude_state = status
             return status
-        finally:
-            if check is not None:
-                check.leave()
 
     def failure_exception(self) -> NoReturn:
         """Purge the room, mark the sender ``Failed`` and raise why it failed (this
@@ -234,10 +211,7 @@ class NixlKVSender:
                 call raises "already reported" and changes nothing.
             ConcurrentSenderUseError: debug mode, another thread inside: nothing is purged.
         """
-        check = self._one_thread
-        if check is not None:
-            check.enter("failure_exception")  # ConcurrentSenderUseError: another thread is inside
-        try:
+        with self._inside("failure_exception"):
             room = self.bootstrap_room
             if self._failure_reported:
                 raise KVTransferError(room, "failure already reported by failure_exception()")
@@ -254,25 +228,18 @@ class NixlKVSender:
             gen = self._handle.generation
             if purge.failure_record is not None:
                 raise KVTransferError(room, purge.failure_record, generation=gen)
-            if purge.was_open and purge.status is KVPoll.Success:
+            if not purge.was_open or purge.status is KVPoll.Success:
                 raise RoomNotFailedError(
                     room,
-                    "it succeeded; failure_exception() was called on a Success room (now cleared)",
-                    generation=gen,
-                )
-            if not purge.was_open:
-                raise RoomNotFailedError(
-                    room,
-                    "it was cleared before a failure was recorded (no error kept)",
+                    "it succeeded; failure_exception() was called on a Success room (now cleared)"
+                    if purge.was_open
+                    else "it was cleared before a failure was recorded (no error kept)",
                     generation=gen,
                 )
             raise KVTransferError(
                 room, "failed on another rank (no local error recorded)", is_from_another_rank=True,
                 generation=gen,
             )
-        finally:
-            if check is not None:
-                check.leave()
 
     def clear(self) -> None:
         """Purge the room everywhere; posted chunks drain (its pages are free once
@@ -285,19 +252,19 @@ class NixlKVSender:
         Raises: nothing. In debug mode an overlap fails the room with a
         :class:`~sender.errors.ConcurrentSenderUseError` instead.
         """
-        check = self._one_thread
-        if check is not None:
-            try:
-                check.enter("abort")
-            except ConcurrentSenderUseError as exc:  # abort() never raises
-                self.kv_mgr.record_failure(self._handle, exc, exc.reason)
-                return
-            try:
-                self._note_failure(None, "aborted by the caller")
-            finally:
-                check.leave()
+        try:
+            inside = self._inside("abort")
+        except ConcurrentSenderUseError as exc:  # abort() never raises
+            self.kv_mgr.record_failure(self._handle, exc, exc.reason)
             return
-        self._note_failure(None, "aborted by the caller")
+        with inside:
+            self._note_failure(None, "aborted by the caller")
+
+    def _inside(self, method: str) -> AbstractContextManager[None]:
+        """Debug mode: enter the one-thread check now (ConcurrentSenderUseError if another
+        thread is inside), left when the returned context exits; else a no-op context."""
+        check = self._one_thread
+        return _UNCHECKED if check is None else check.enter(method)
 
     def _note_failure(self, exc: BaseException | None, reason: str) -> None:
         self._send_failed = True

@@ -11,7 +11,7 @@ opening. Pure functions; thread-safe.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 PREFIX = b"NXSTG-ROOM/1 "
 """Magic and version of the format (a decoder refuses other versions)."""
@@ -45,11 +45,7 @@ class RoomNotice:
             NoticeError: a field out of its domain.
         """
         _check(self.room, self.gen, self.outcome, self.code)
-        body = json.dumps(
-            {"room": self.room, "gen": self.gen, "outcome": self.outcome, "code": self.code},
-            separators=(",", ":"),
-        )
-        return PREFIX + body.encode()
+        return PREFIX + json.dumps(asdict(self), separators=(",", ":")).encode()
 
 
 def is_notice(message: bytes) -> bool:
@@ -74,8 +70,7 @@ def decode_notice(message: bytes) -> RoomNotice:
         raise NoticeError("malformed room notice") from None
     if not isinstance(doc, dict):
         raise NoticeError("malformed room notice")
-    fields: dict[str, object] = {k: doc.get(k) for k in ("room", "gen", "outcome", "code")}
-    room, gen, outcome, code = fields["room"], fields["gen"], fields["outcome"], fields["code"]
+    room, gen, outcome, code = (doc.get(k) for k in ("room", "gen", "outcome", "code"))
     _check(room, gen, outcome, code)
     assert isinstance(room, int) and isinstance(gen, int)  # checked above: for the type checker
     return RoomNotice(room, gen, str(outcome), str(code))

@@ -72,11 +72,7 @@ class Notifier:
         # Guarded by _lock (down to _stopped). _held: notices of openings still draining.
         # mutant-site: init
         self._held: dict[RoomHandle, _Item] = {}
-        self._queued = 0
-        self._sent = 0
-        self._failed = 0
-        self._skipped_dead = 0
-        self._withheld = 0
+        self._queued = self._sent = self._failed = self._skipped_dead = self._withheld = 0
         self._withheld_handles: set[RoomHandle] = set()
         self._stopped = False
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
@@ -94,8 +90,6 @@ class Notifier:
     def thread(self) -> threading.Thread | None:
         """The notifier thread (``None`` when notices are off)."""
         return self._thread
-
-    # ------------------------------------------------------------------ holding, queueing
 
     def enqueue(self, notice: RoomNotice, sessions: tuple[str, ...]) -> None:
         """Queue ``notice`` for every session in ``sessions`` now. Never blocks or raises."""
@@ -115,11 +109,6 @@ class Notifier:
             return
         with self._lock:
             self._held[handle] = (notice, sessions)
-
-    def is_held(self, handle: RoomHandle) -> bool:
-        """``True`` while a notice of that opening waits for it to drain."""
-        with self._lock:
-            return handle in self._held
 
     def drained(self, handle: RoomHandle) -> bool:
         """The opening's last posted chunk ended: queue its held notice (``True`` if one was
@@ -155,8 +144,6 @@ class Notifier:
         with self._lock:
             return frozenset(self._withheld_handles)
 
-    # ------------------------------------------------------------------ the thread
-
     def stop(self, timeout_s: float) -> bool:
         """Stop the thread once it sent what is queued; wait up to ``timeout_s``. ``True`` if
         it ended (or there is none). Later :meth:`enqueue` calls count as withheld.
@@ -175,13 +162,9 @@ class Notifier:
         """A consistent snapshot of the counters."""
         with self._lock:
             return NoticeCounts(
-                self._queued,
-                self._sent,
-                self._failed,
-                self._skipped_dead,
-                self._withheld,
+                self._queued, self._sent, self._failed, self._skipped_dead, self._withheld,
                 len(self._held),
-            )
+            )  # fmt: skip
 
     def _count(self, name: str) -> None:
         with self._lock:
