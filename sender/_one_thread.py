@@ -61,7 +61,7 @@ class OneThreadCheck:
         raise ConcurrentSenderUseError(
             self._room, method, thread_label(me), inside, thread_label(owner),
             generation=self._generation,
-        )  # fmt: skip
+        )
 
     def leave(self) -> None:
         """The calling thread leaves the method it entered last. Never raises."""

@@ -130,7 +130,7 @@ class KVTransferError(RuntimeError):
     def __init__(
         self, room: int, reason: str, is_from_another_rank: bool = False, *,
         generation: int | None = None, session_id: str | None = None, chunk_idx: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         where = [] if generation is None else [f"generation {generation}"]
         where += [] if session_id is None else [f"session {session_id!r}"]
         where += [] if chunk_idx is None else [f"chunk {chunk_idx}"]
@@ -181,7 +181,7 @@ class ConcurrentSenderUseError(KVTransferError):
     def __init__(
         self, room: int, method: str, thread: str, other_method: str, other_thread: str, *,
         generation: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(
             room,
             f"thread {thread} called {method}() while thread {other_thread} was inside "
@@ -210,7 +210,7 @@ def _nixl_classes(*names: str) -> tuple[type[BaseException], ...]:
 _OURS: tuple[type[BaseException], ...] = (
     TransferTimeoutError, TransferFailedError, TransportClosedError, PeerNotFoundError,
     RegionRetiredError,
-)  # fmt: skip
+)
 
 TRANSPORT_ERRORS: tuple[type[BaseException], ...]
 if _nixl.AVAILABLE:
@@ -220,7 +220,7 @@ if _nixl.AVAILABLE:
             "nixlNotFoundError",
         ),
         *_OURS,
-    )  # fmt: skip
+    )
 else:
     # Without NIXL, RuntimeError stands in for its classes (which do NOT subclass it).
     TRANSPORT_ERRORS = (RuntimeError, *_OURS)
@@ -229,7 +229,7 @@ else:
 PARAM_ERRORS: tuple[type[BaseException], ...] = _nixl_classes(
     "nixlInvalidParamError", "nixlMismatchError", "nixlNotAllowedError", "nixlNotPostedError",
     "nixlNotSupportedError", "nixlRepostActiveError",
-)  # fmt: skip
+)
 
 
 def classify(exc: BaseException) -> bool:

@@ -137,4 +137,4 @@ class FanOut:
                 logger.warning(
                     "metrics listener %d (%s) raised %s; its errors are counted and "
                     "swallowed from now on", index, type(listener).__name__, text, exc_info=exc,
-                )  # fmt: skip
+                )

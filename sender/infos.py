@@ -47,7 +47,7 @@ dead info is never mistaken for it)."""
 def make_transfer_info(
     session_id: str, dst_pages: Sequence[int] | PageArray, *, decode_prefix_len: int = 0,
     byte_range: tuple[int, int] | None = None, dst_region: str = "kv",
-) -> TransferInfo:  # fmt: skip
+) -> TransferInfo:
     """Validate and freeze a :class:`TransferInfo`.
 
     Raises:
@@ -112,4 +112,4 @@ def checked_info(info: TransferInfo) -> TransferInfo:
     return make_transfer_info(
         info.session_id, info.dst_pages, decode_prefix_len=info.decode_prefix_len,
         byte_range=info.byte_range, dst_region=info.dst_region,
-    )  # fmt: skip
+    )

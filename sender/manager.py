@@ -124,7 +124,7 @@ class KVManager:
         poll_interval_s: float | None = None, kv_region: str = "kv",
         staging_region: str = "staging", fail_session_on_disconnect: bool = True,
         notify_decode: bool = True, events: ManagerEvents | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Make one: its arguments and what it raises are in ``help(KVManager)``."""
         check_index(num_workers, "num_workers")
         if kv_pool.dim() != 2 or kv_pool.dtype != torch.uint8:
@@ -163,7 +163,7 @@ class KVManager:
         self.rooms = RoomTable(
             self.staging, pool=staging_pool, notifier=self.notifier, lock=lock, debug=debug,
             events=events,
-        )  # fmt: skip
+        )
         self.failure_lock: RWLock | MutexLock = self.rooms.failure_lock
         self._room_lock: RWLock | MutexLock = self.rooms.lock
         self.pipeline = ChunkPipeline(
@@ -173,7 +173,7 @@ class KVManager:
             poll_interval_s=None if poll_interval_s is None else float(poll_interval_s),
             kv_region=kv_region, staging_region=staging_region,
             fail_session_on_disconnect=bool(fail_session_on_disconnect),
-        )  # fmt: skip
+        )
         self._workers = self.pipeline.workers
 
     # The settings live in the pipeline, whose workers read them; the manager shows them
@@ -365,7 +365,7 @@ class KVManager:
             rooms_failed_by_code=by_code, notices_sent=notices.sent, notices_failed=notices.failed,
             notices_withheld=notices.withheld, notices_queued=notices.queued,
             notices_pending=notices.pending, notices_skipped_dead=notices.skipped_dead, **counts,
-        )  # fmt: skip
+        )
 
     def open_room(self, room: int, session_ids: Sequence[str]) -> RoomHandle:
         """Open ``room`` for ``session_ids`` (status ``Bootstrapping``). Thread-safe; atomic,
@@ -421,7 +421,7 @@ class KVManager:
     def vet_info(
         self, info: TransferInfo, session_ids: Sequence[str] | None, room: int, *,
         peers: bool = True,
-    ) -> tuple[TransferInfo, bool]:  # fmt: skip
+    ) -> tuple[TransferInfo, bool]:
         """:meth:`add_transfer_info`'s checks without a room: ``(normalised info, whether its
         session is a peer of the transport)``. ``session_ids=None`` skips the session check,
         ``peers=False`` those against the peers. Reads only; thread-safe.
@@ -644,7 +644,7 @@ def _check_staged_page(info: TransferInfo, kv_page_bytes: int, pool_page_bytes: 
 def _check_transport(
     transport: object, kv_pool: torch.Tensor, kv_region: str, staging_region: str,
     staging_pool: StagingBufferPool | None,
-) -> None:  # fmt: skip
+) -> None:
     """ValueError for a configuration the first transfer would fail on (a transport without
     ``closed``/``regions``, a test double, passes)."""
     if getattr(transport, "closed", False) is True:

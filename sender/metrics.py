@@ -233,7 +233,7 @@ class SenderCollector:
         staging: _HasStats | None = None, pool: _HasStats | None = None, *,
         locks: Sequence[_HasStats] = (), labels: Mapping[str, str] | None = None,
         namespace: str = NAMESPACE,
-    ) -> None:  # fmt: skip
+    ) -> None:
         sources = {"manager": manager, "transport": transport, "staging": staging, "pool": pool}
         sources.update((f"lock[{i}]", lock) for i, lock in enumerate(locks))
         for what, source in sources.items():
@@ -340,7 +340,7 @@ class LatencyHistograms:
         room_buckets: Sequence[float] = ROOM_BUCKETS_S,
         chunk_buckets: Sequence[float] = CHUNK_BUCKETS_S,
         labels: Mapping[str, str] | None = None, namespace: str = NAMESPACE,
-    ) -> None:  # fmt: skip
+    ) -> None:
         reg = REGISTRY if registry is None else registry
         const = _check_labels(labels, ("outcome", "code"))
         self._const = tuple(const.values())
@@ -352,16 +352,16 @@ class LatencyHistograms:
             Histogram, "room_duration_seconds",
             "room latency, from its opening to its conclusion, by outcome", "outcome",
             buckets=_check_buckets(room_buckets, "room_buckets"),
-        )  # fmt: skip
+        )
         self.chunk_seconds: Histogram = metric(
             Histogram, "chunk_duration_seconds",
             "chunk latency, from its start to its end, by outcome", "outcome",
             buckets=_check_buckets(chunk_buckets, "chunk_buckets"),
-        )  # fmt: skip
+        )
         self.room_outcomes: Counter = metric(
             Counter, "room_outcomes",
             "rooms concluded, by outcome and reason code (ok for a success)", "outcome", "code",
-        )  # fmt: skip
+        )
         self.chunk_bytes: Counter = metric(
             Counter, "chunk_bytes", "chunk payload bytes, by how the chunk ended", "outcome"
         )

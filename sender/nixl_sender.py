@@ -73,7 +73,7 @@ class NixlKVSender:
     def __init__(
         self, mgr: KVManager, bootstrap_room: int, session_ids: Sequence[str],
         transfer_infos: Sequence[TransferInfo] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Make one: its arguments and what it raises are in ``help(NixlKVSender)``."""
         if isinstance(session_ids, (str, bytes)):
             raise TypeError(

@@ -164,7 +164,7 @@ class Notifier:
             return NoticeCounts(
                 self._queued, self._sent, self._failed, self._skipped_dead, self._withheld,
                 len(self._held),
-            )  # fmt: skip
+            )
 
     def _count(self, name: str) -> None:
         with self._lock:
