@@ -115,7 +115,6 @@ class _Room:
 
     ``sessions``: the sessions whose entry of ``_session_rooms`` holds this room (see
     ``StagingContext.__init__``); writers skip the index when the session is already here.
-    (``staging.compat``, which may empty the whole index, re-indexes via ``_add_session_ref``.)
     """
 
     __slots__ = ("generation", "prefetched", "requests", "sessions")
@@ -617,7 +616,7 @@ class StagingContext:
     # For subclasses (staging.compat) that add or remove one key of state.requests
     # themselves, under the write lock: the session index follows.
 
-    def _add_session_ref(self, session_id: str, room_id: int, keys: int = 1) -> None:
+    def _add_session_ref(self, session_id: str, room_id: int) -> None:
         self._index_session(self._rooms[room_id], session_id, room_id)
 
     def _drop_session_ref(self, session_id: str, room_id: int) -> None:
