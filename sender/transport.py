@@ -138,14 +138,6 @@ class PeerMetadata:
     agent_blob: bytes
 
 
-def _encode_metadata(agent_name: str, regions: Sequence[RegionInfo], blob: bytes) -> bytes:
-    header = json.dumps(
-        {"agent": agent_name, "regions": [r.to_json() for r in regions]},
-        separators=(",", ":"),
-    ).encode()
-    return _MAGIC + _HEADER_LEN.pack(len(header)) + header + blob
-
-
 def decode_metadata(data: bytes) -> PeerMetadata:
     """Decode the bytes produced by :meth:`NixlTransport.metadata`. Pure: any thread.
 
@@ -341,14 +333,11 @@ class Transfer:
         return self._peer.retired
 
     def __repr__(self) -> str:
-        state = (
-            "released" if self._released else "done" if self._done
-            else "failed" if self._failure else "pending"
+        state = "released" if self._released else "done" if self._done else (
+            "failed" if self._failure else "pending"
         )
-        return (
-            f"<Transfer session={self.session_id!r} pages={self._num_pages} "
-            f"bytes={self.nbytes} {state}>"
-        )
+        pages = f"pages={self._num_pages} bytes={self.nbytes}"
+        return f"<Transfer session={self.session_id!r} {pages} {state}>"
 
     def poll(self) -> TransferState:
         """Check progress once: ``"DONE"`` or ``"PROC"``; ``"DONE"`` and failures are cached.
@@ -457,7 +446,6 @@ class Transfer:
                 except Exception as exc:
                     error = exc
             tx = self._transport
-            peer = self._peer
             with tx._lock:
                 if self in tx._live:
                     tx._counts["transfers_released"] += 1
@@ -465,7 +453,7 @@ class Transfer:
                 if error is not None and handle is not None:
                     tx._refused_handles.append(handle)
                     tx._counts["release_refused"] += 1
-                reap = (peer.retired and not peer.transfers) or bool(tx._retiring)
+                reap = (self._peer.retired and not self._peer.transfers) or bool(tx._retiring)
         if error is not None:
             logger.warning("releasing %r failed (%s); retried at close()", self, error)
         if reap:  # the last kept transfer of a removed peer or retiring region
@@ -537,10 +525,7 @@ class NixlTransport:
     """
 
     def __init__(
-        self,
-        name: str | None = None,
-        *,
-        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+        self, name: str | None = None, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
     ) -> None:
         """Make a :class:`NixlTransport`: every argument and what it raises are in the
@@ -704,7 +689,10 @@ class NixlTransport:
                 agent = self._agent
                 infos = [r.info for r in self._regions.values()]
             blob = agent.get_agent_metadata()
-        return _encode_metadata(self._name, infos, bytes(blob))
+        regions = [i.to_json() for i in infos]
+        header = json.dumps({"agent": self._name, "regions": regions}, separators=(",", ":"))
+        encoded = header.encode()
+        return _MAGIC + _HEADER_LEN.pack(len(encoded)) + encoded + bytes(blob)
 
     def add_peer(self, session_id: str, metadata: bytes) -> PeerMetadata:
         """Load a peer's metadata (from its :meth:`metadata`) under ``session_id``.
@@ -1338,9 +1326,7 @@ def _check_pages(
 
 def _is_disconnect(exc: BaseException) -> bool:
     """``exc`` is NIXL's "remote agent disconnected" error."""
-    cls = None if _nixl.bindings is None else getattr(
-        _nixl.bindings, "nixlRemoteDisconnectError", None
-    )
+    cls = getattr(_nixl.bindings, "nixlRemoteDisconnectError", None)
     return cls is not None and isinstance(exc, cls)
 
 
@@ -1383,15 +1369,10 @@ def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
     Raises AgentSetupError (naming the attempts, interface changes and UCX environment)."""
     strict = _nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     # The wrapper's own binding agent (no progress thread, no backend) is replaced below.
-    wrapper = _nixl.nixl_agent(
-        name,
-        _nixl.nixl_agent_config(
-            enable_prog_thread=False,
-            enable_listen_thread=False,
-            backends=[],
-            sync_mode=strict,
-        ),
+    inert_config = _nixl.nixl_agent_config(
+        enable_prog_thread=False, enable_listen_thread=False, backends=[], sync_mode=strict
     )
+    wrapper = _nixl.nixl_agent(name, inert_config)
     if "UCX" not in wrapper.get_plugin_list():
         raise AgentSetupError("NIXL has no UCX plugin on this machine")
     config = bindings.nixlAgentConfig()
@@ -1410,6 +1391,7 @@ def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
         wrapper.agent = bindings.nixlAgent(name, config)
         try:
             wrapper.create_backend("UCX")
+            break
         except Exception as exc:
             if backend_error is None or not isinstance(exc, backend_error):
                 raise
@@ -1418,37 +1400,28 @@ def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
             changed_any = changed_any or bool(change)
             seen = (
                 f"network interfaces changed meanwhile: {change}"
-                if change
-                else "no network interface appeared or vanished meanwhile"
+                if change else "no network interface appeared or vanished meanwhile"
             )
             notes.append(f"attempt {attempt}: {status_name(exc)}, {seen}")
-            if attempt < AGENT_ATTEMPTS and (change or attempt == 1):
-                logger.warning(
-                    "creating the UCX backend of NIXL agent %r failed (%s); retrying",
-                    name,
-                    notes[-1],
-                )
-                time.sleep(AGENT_RETRY_PAUSE_S * attempt)
-                continue
-            if changed_any:
+            if attempt == AGENT_ATTEMPTS or not (change or attempt == 1):
                 cause = (
-                    "a network interface UCX had found vanished while the agent was made "
-                    "(e.g. another process's veth torn down): confine UCX to the devices you "
-                    "mean with UCX_NET_DEVICES"
+                    "a network interface UCX had found vanished while the agent was made (e.g. "
+                    "another process's veth torn down): confine UCX to the devices you mean "
+                    "with UCX_NET_DEVICES"
+                    if changed_any
+                    else "the failure repeated with no interface change, so it is not the "
+                    "transient one: check UCX_NET_DEVICES (a device that does not exist or has "
+                    "no address) and UCX_TLS (no usable transport)"
                 )
-            else:
-                cause = (
-                    "the failure repeated with no interface change, so it is not the "
-                    "transient one: check UCX_NET_DEVICES (a device that does not exist or "
-                    "has no address) and UCX_TLS (no usable transport)"
-                )
-            raise AgentSetupError(
-                f"could not create the UCX backend of NIXL agent {name!r} "
-                f"({'; '.join(notes)}): {cause}. UCX prints its own reason on this "
-                f"process's stderr; {_ucx_env()}",
-                tuple(notes),
-                changed_any,
-            ) from exc
-        break
+                raise AgentSetupError(
+                    f"could not create the UCX backend of NIXL agent {name!r} "
+                    f"({'; '.join(notes)}): {cause}. UCX prints its own reason on this "
+                    f"process's stderr; {_ucx_env()}",
+                    tuple(notes), changed_any,
+                ) from exc
+            logger.warning(
+                "creating the UCX backend of NIXL agent %r failed (%s); retrying", name, notes[-1]
+            )
+            time.sleep(AGENT_RETRY_PAUSE_S * attempt)
     del inert
     return wrapper
