@@ -488,8 +488,7 @@ class Transfer:
     def _fail_locked(self, exc: BaseException, *, timed_out: bool) -> BaseException:
         param = as_param_error(exc, f"NIXL rejected transfer {self!r}")
         failure = param if param is not None else exc
-        if _is_disconnect(exc):
-            self._peer.disconnected = True
+        _note_disconnect(self._peer, exc)
         self._failure = failure
         self._transport._count("transfers_timed_out" if timed_out else "transfers_failed")
         return failure
@@ -1013,8 +1012,7 @@ class NixlTransport:
         xfer._handle = xfer._ops = None
         xfer._released = True
         xfer._failure = exc
-        if _is_disconnect(exc):
-            xfer._peer.disconnected = True
+        _note_disconnect(xfer._peer, exc)
         if handle is not None:
             _quietly("releasing a failed transfer's handle", ops, "releaseXferReq", handle)
         with self._lock:
@@ -1041,8 +1039,7 @@ class NixlTransport:
         try:
             agent.send_notif(peer.agent_name, message)
         except Exception as exc:
-            if _is_disconnect(exc):
-                peer.disconnected = True
+            _note_disconnect(peer, exc)
             raise
         sent_at = time.monotonic()
         with self._lock:
@@ -1324,10 +1321,11 @@ def _check_pages(
         raise TransportParamError(f"{what} contains duplicates")
 
 
-def _is_disconnect(exc: BaseException) -> bool:
-    """``exc`` is NIXL's "remote agent disconnected" error."""
+def _note_disconnect(peer: _Peer, exc: BaseException) -> None:
+    """Mark ``peer`` disconnected if ``exc`` is NIXL's "remote agent disconnected" error."""
     cls = getattr(_nixl.bindings, "nixlRemoteDisconnectError", None)
-    return cls is not None and isinstance(exc, cls)
+    if cls is not None and isinstance(exc, cls):
+        peer.disconnected = True
 
 
 def _mem_seg(bindings: Any, mem_type: str) -> Any:
