@@ -69,10 +69,7 @@ try:
         _bindings_mod = importlib.import_module(f"{_package}._bindings")
     _api_mod = importlib.import_module(f"{_package}._api")
 except ImportError as _exc:  # NIXL not installed or no backend wheel for this platform
-    bindings = None
-    nixl_agent = None
-    nixl_agent_config = None
-    nixl_thread_sync_t = None
+    bindings = nixl_agent = nixl_agent_config = nixl_thread_sync_t = None
     IMPORT_ERROR = _exc
 else:
     bindings = _bindings_mod

@@ -53,18 +53,9 @@ if TYPE_CHECKING:  # torch is imported lazily (costly for a CPU-only peer proces
     import torch
 
 __all__ = [
-    "AGENT_ATTEMPTS",
-    "AGENT_RETRY_PAUSE_S",
-    "DEFAULT_PROGRESS_DELAY_US",
-    "DEFAULT_TIMEOUT_S",
-    "NixlTransport",
-    "PageIndices",
-    "PeerMetadata",
-    "RegionInfo",
-    "Transfer",
-    "TransferState",
-    "TransportStats",
-    "decode_metadata",
+    "AGENT_ATTEMPTS", "AGENT_RETRY_PAUSE_S", "DEFAULT_PROGRESS_DELAY_US", "DEFAULT_TIMEOUT_S",
+    "NixlTransport", "PageIndices", "PeerMetadata", "RegionInfo", "Transfer", "TransferState",
+    "TransportStats", "decode_metadata",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,6 +82,10 @@ _RETIRED_GRACE_S = 0.25
 # notification only as the agent is progressed, and tearing it down cancels what is queued.
 _NOTIF_FLUSH_S = 0.25
 _NOTIF_FLUSH_POLL_S = 0.001
+_COUNTERS = (  # TransportStats' counter fields
+    "transfers_started", "transfers_done", "transfers_failed", "transfers_timed_out",
+    "transfers_released", "release_refused", "transfers_kept_at_removal",
+)
 
 
 @dataclass(frozen=True)
@@ -141,14 +136,6 @@ class PeerMetadata:
     agent_name: str
     regions: dict[str, RegionInfo]
     agent_blob: bytes
-
-
-def _encode_metadata(agent_name: str, regions: Sequence[RegionInfo], blob: bytes) -> bytes:
-    header = json.dumps(
-        {"agent": agent_name, "regions": [r.to_json() for r in regions]},
-        separators=(",", ":"),
-    ).encode()
-    return _MAGIC + _HEADER_LEN.pack(len(header)) + header + blob
 
 
 def decode_metadata(data: bytes) -> PeerMetadata:
@@ -270,33 +257,14 @@ class Transfer:
     wrappers forwarding through ``__getattr__`` do not inherit it)."""
 
     __slots__ = (
-        "__weakref__",
-        "_done",
-        "_failure",
-        "_handle",
-        "_kept",
-        "_lock",
-        "_num_pages",
-        "_ops",
-        "_page_bytes",
-        "_peer",
-        "_released",
-        "_src_region",
-        "_start",
-        "_timed_out",
-        "_timeout_s",
+        "__weakref__", "_done", "_failure", "_handle", "_kept", "_lock", "_num_pages", "_ops",
+        "_page_bytes", "_peer", "_released", "_src_region", "_start", "_timed_out", "_timeout_s",
         "_transport",
     )
 
     def __init__(
-        self,
-        transport: NixlTransport,
-        ops: Any,
-        peer: _Peer,
-        src_region: str,
-        num_pages: int,
-        page_bytes: int,
-        timeout_s: float,
+        self, transport: NixlTransport, ops: Any, peer: _Peer, src_region: str, num_pages: int,
+        page_bytes: int, timeout_s: float,
     ) -> None:
         self._transport = transport
         self._peer = peer  # the peer entry this transfer was added to
@@ -365,14 +333,11 @@ class Transfer:
         return self._peer.retired
 
     def __repr__(self) -> str:
-        state = (
-            "released" if self._released else "done" if self._done
-            else "failed" if self._failure else "pending"
+        state = "released" if self._released else "done" if self._done else (
+            "failed" if self._failure else "pending"
         )
-        return (
-            f"<Transfer session={self.session_id!r} pages={self._num_pages} "
-            f"bytes={self.nbytes} {state}>"
-        )
+        pages = f"pages={self._num_pages} bytes={self.nbytes}"
+        return f"<Transfer session={self.session_id!r} {pages} {state}>"
 
     def poll(self) -> TransferState:
         """Check progress once: ``"DONE"`` or ``"PROC"``; ``"DONE"`` and failures are cached.
@@ -406,18 +371,16 @@ class Transfer:
                 self._done = True
                 if self._peer.disconnected:  # reachable again
                     self._peer.disconnected = False
-                self._transport._on_done()
+                self._transport._count("transfers_done")
                 return "DONE"
             if status != _NIXL_PROC:
                 err = TransferFailedError(f"NIXL transfer status {status!r} for {self!r}")
-                self._fail_locked(err, timed_out=False)
-                raise err
+                raise self._fail_locked(err, timed_out=False)
             if time.monotonic() - self._start >= self._timeout_s:
-                err2 = TransferTimeoutError(self._peer.session_id, self._timeout_s)
                 # mutant-site: poll-set-timed-out
                 self._timed_out = True
-                self._fail_locked(err2, timed_out=True)
-                raise err2
+                late = TransferTimeoutError(self._peer.session_id, self._timeout_s)
+                raise self._fail_locked(late, timed_out=True)
             return "PROC"
 
     def wait(self, timeout_s: float | None = None, interval_s: float | None = None) -> None:
@@ -483,15 +446,14 @@ class Transfer:
                 except Exception as exc:
                     error = exc
             tx = self._transport
-            peer = self._peer
             with tx._lock:
                 if self in tx._live:
-                    tx._n_released += 1
+                    tx._counts["transfers_released"] += 1
                 tx._forget_locked(self)
                 if error is not None and handle is not None:
                     tx._refused_handles.append(handle)
-                    tx._n_release_refused += 1
-                reap = (peer.retired and not peer.transfers) or bool(tx._retiring)
+                    tx._counts["release_refused"] += 1
+                reap = (self._peer.retired and not self._peer.transfers) or bool(tx._retiring)
         if error is not None:
             logger.warning("releasing %r failed (%s); retried at close()", self, error)
         if reap:  # the last kept transfer of a removed peer or retiring region
@@ -512,7 +474,7 @@ class Transfer:
             self._kept = True
             if self._failure is None:
                 self._failure = failure
-                self._transport._on_failed(timed_out=False)
+                self._transport._count("transfers_failed")
             return True
 
     def _in_progress_at_nixl_locked(self) -> bool:
@@ -526,10 +488,9 @@ class Transfer:
     def _fail_locked(self, exc: BaseException, *, timed_out: bool) -> BaseException:
         param = as_param_error(exc, f"NIXL rejected transfer {self!r}")
         failure = param if param is not None else exc
-        if _is_disconnect(exc):
-            self._peer.disconnected = True
+        _note_disconnect(self._peer, exc)
         self._failure = failure
-        self._transport._on_failed(timed_out=timed_out)
+        self._transport._count("transfers_timed_out" if timed_out else "transfers_failed")
         return failure
 
 
@@ -563,10 +524,7 @@ class NixlTransport:
     """
 
     def __init__(
-        self,
-        name: str | None = None,
-        *,
-        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+        self, name: str | None = None, *, default_timeout_s: float = DEFAULT_TIMEOUT_S,
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
     ) -> None:
         """Make a :class:`NixlTransport`: every argument and what it raises are in the
@@ -598,14 +556,8 @@ class NixlTransport:
         self._live: set[Transfer] = set()  # transfers not yet released
         # Removed peers with kept transfers; each holds a _remote_refs reference until reaped.
         self._retired_peers: list[_Peer] = []
-        self._n_kept = 0
-        self._n_started = 0
-        self._n_done = 0
-        self._n_failed = 0
-        self._n_timed_out = 0
-        self._n_released = 0
+        self._counts = dict.fromkeys(_COUNTERS, 0)  # TransportStats' counters, by field name
         self._refused_handles: list[int] = []  # releases NIXL refused; retried by close()
-        self._n_release_refused = 0
         self._last_notif_at: float | None = None  # monotonic time of the last send_notif
         # Deregistered regions: memory kept alive until close() (stale remote writes).
         self._retired: list[_LocalRegion] = []
@@ -634,9 +586,7 @@ class NixlTransport:
         return self
 
     def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self.close()
@@ -738,7 +688,10 @@ class NixlTransport:
                 agent = self._agent
                 infos = [r.info for r in self._regions.values()]
             blob = agent.get_agent_metadata()
-        return _encode_metadata(self._name, infos, bytes(blob))
+        regions = [i.to_json() for i in infos]
+        header = json.dumps({"agent": self._name, "regions": regions}, separators=(",", ":"))
+        encoded = header.encode()
+        return _MAGIC + _HEADER_LEN.pack(len(encoded)) + encoded + bytes(blob)
 
     def add_peer(self, session_id: str, metadata: bytes) -> PeerMetadata:
         """Load a peer's metadata (from its :meth:`metadata`) under ``session_id``.
@@ -774,10 +727,8 @@ class NixlTransport:
                 with self._lock:
                     in_use = loaded_name in self._remote_refs
                 if not in_use:  # we loaded it just now: unload it again
-                    try:
-                        agent.remove_remote_agent(loaded_name)
-                    except Exception as exc:
-                        logger.warning("unloading remote agent %r failed: %s", loaded_name, exc)
+                    what = f"unloading remote agent {loaded_name!r}"
+                    _quietly(what, agent, "remove_remote_agent", loaded_name)
                 raise TransportParamError(
                     f"metadata names agent {meta.agent_name!r} but NIXL loaded {loaded_name!r}"
                 )
@@ -822,7 +773,7 @@ class NixlTransport:
                 else:
                     t.release()
             with self._lock:
-                self._n_kept += kept
+                self._counts["transfers_kept_at_removal"] += kept
                 peer.retired = True
                 self._retired_peers.append(peer)
             self._reap_retired_admin()
@@ -858,7 +809,7 @@ class NixlTransport:
             for handle in peer.prepped.values():
                 _release_prepped(agent, handle)
         for name in sorted(last):
-            _remove_remote_agent(agent, name)
+            _quietly(f"removing remote agent {name!r}", agent, "remove_remote_agent", name)
 
     def has_peer(self, session_id: str) -> bool:
         """True if ``session_id`` is currently added. Safe from any thread."""
@@ -935,50 +886,33 @@ class NixlTransport:
             Exception: A NIXL transport error (``TRANSPORT_ERRORS``), e.g.
                 ``nixlRemoteDisconnectError``.
         """
-        if notif is not None:
-            if not isinstance(notif, bytes):
-                raise TransportParamError(
-                    f"notif must be bytes or None, got {type(notif).__name__}"
-                )
-            if not notif:
-                raise TransportParamError(
-                    "notif must be non-empty (use None for no notification)"
-                )
-        if timeout_s is None:
-            timeout = self._default_timeout_s
-        else:
+        if notif is not None and not isinstance(notif, bytes):
+            raise TransportParamError(f"notif must be bytes or None, got {type(notif).__name__}")
+        if notif == b"":
+            raise TransportParamError("notif must be non-empty (use None for no notification)")
+        if timeout_s is not None:
             _check_timeout(timeout_s, "timeout_s")
-            timeout = float(timeout_s)
+        timeout = self._default_timeout_s if timeout_s is None else float(timeout_s)
         src_checked = dst_checked = None
-        if (
-            type(src_pages) is CheckedPages
-            and type(dst_pages) is CheckedPages
-            and dst_pages.unique
-        ):
+        if type(src_pages) is CheckedPages and type(dst_pages) is CheckedPages and dst_pages.unique:
             src_checked, dst_checked = src_pages, dst_pages
             src = dst = _NO_PAGES  # int64 arrays made only on the rare paths needing them
             n, n_dst = len(src_pages), len(dst_pages)
         else:
-            src = as_pages(src_pages, "src_pages")
-            dst = as_pages(dst_pages, "dst_pages")
+            src, dst = as_pages(src_pages, "src_pages"), as_pages(dst_pages, "dst_pages")
             n, n_dst = len(src), len(dst)
         if n != n_dst:
-            raise TransportParamError(
-                f"src_pages and dst_pages differ in length ({n} vs {n_dst})"
-            )
+            raise TransportParamError(f"src_pages and dst_pages differ in length ({n} vs {n_dst})")
         if n == 0:
             raise TransportParamError("no pages to write")
 
         # Look-ups without the lock (a dict read is atomic); checked again under _lock below.
-        if self._closed:
-            raise TransportClosedError(f"transport {self._name!r} is closed")
+        self._check_open()
         local = self._regions.get(src_region)
         peer = self._peers.get(session_id)
         remote = None if peer is None else peer.regions.get(dst_region)
         if local is None or peer is None or remote is None:
-            # close() sets _closed before it empties the tables: report the close.
-            if self._closed:
-                raise TransportClosedError(f"transport {self._name!r} is closed")
+            self._check_open()  # close() sets _closed before it empties the tables
             if local is None:
                 raise TransportParamError(f"no local region {src_region!r}")
             if peer is None:
@@ -1001,34 +935,25 @@ class NixlTransport:
                 _check_pages(src, li.num_pages, "src_pages", src_region, unique=False)
                 _check_pages(dst, remote.num_pages, "dst_pages", dst_region, unique=False)
             src_idx, dst_idx = src_checked.indices, dst_checked.indices
-        elif n <= _SMALL_WRITE:
-            # Python lists beat numpy's per-call overhead on a few pages.
+        elif n <= _SMALL_WRITE:  # Python lists beat numpy's per-call overhead on a few pages
             src_list: list[int] = src.tolist()
             dst_list: list[int] = dst.tolist()
-            if min(src_list) < 0 or max(src_list) >= li.num_pages:
-                _check_bounds(min(src_list), max(src_list), li.num_pages, "src_pages", src_region)
-            if min(dst_list) < 0 or max(dst_list) >= remote.num_pages:
-                _check_bounds(
-                    min(dst_list), max(dst_list), remote.num_pages, "dst_pages", dst_region
-                )
-            if n > 1 and len(set(dst_list)) != n:
-                raise TransportParamError("dst_pages contains duplicates")
+            _check_pages(src_list, li.num_pages, "src_pages", src_region, unique=False)
+            _check_pages(dst_list, remote.num_pages, "dst_pages", dst_region, unique=True)
             src_idx, dst_idx = src_list, dst_list
         else:
             _check_pages(src, li.num_pages, "src_pages", src_region, unique=False)
             _check_pages(dst, remote.num_pages, "dst_pages", dst_region, unique=True)
 
-        local_prepped = local.prepped_id
-        remote_prepped = peer.prepped_ids.get(dst_region)
-        if local_prepped is not None and remote_prepped is not None:
-            if n > _SMALL_WRITE and src_checked is None:
-                src_idx, dst_idx = src.astype(np.int32), dst.astype(np.int32)
-        else:
+        local_prepped, remote_prepped = local.prepped_id, peer.prepped_ids.get(dst_region)
+        if local_prepped is None or remote_prepped is None:
             local_prepped = remote_prepped = None
             if src_checked is not None and dst_checked is not None:
                 src = src_checked.indices.astype(np.int64)
                 dst = dst_checked.indices.astype(np.int64)
             src_rows, dst_rows = _rows_for(li, remote, src, dst, coalesce)
+        elif n > _SMALL_WRITE and src_checked is None:
+            src_idx, dst_idx = src.astype(np.int32), dst.astype(np.int32)
         ops = self._xfer_agent
         xfer = Transfer(self, ops, peer, src_region, n, li.page_bytes, timeout)
         with xfer._lock:  # fresh lock: nobody else can hold it yet
@@ -1049,8 +974,8 @@ class NixlTransport:
                     # The prepared lists stay valid: they are released only after this
                     # transfer, whose lock we hold.
                     handle = ops.makeXferReq(
-                        self._write_op, local_prepped, src_idx, remote_prepped, dst_idx,
-                        msg, [], not coalesce,
+                        self._write_op, local_prepped, src_idx, remote_prepped, dst_idx, msg, [],
+                        not coalesce,
                     )
                 else:
                     bindings = _nixl.require()
@@ -1058,9 +983,7 @@ class NixlTransport:
                         self._write_op,
                         bindings.nixlXferDList(_mem_seg(bindings, li.mem_type), src_rows),
                         bindings.nixlXferDList(_mem_seg(bindings, remote.mem_type), dst_rows),
-                        peer.agent_name,
-                        msg,
-                        [],
+                        peer.agent_name, msg, [],
                     )
                 xfer._handle = handle
                 status = ops.postXferReq(handle, msg)
@@ -1079,9 +1002,8 @@ class NixlTransport:
             if done and peer.disconnected:  # reachable again
                 peer.disconnected = False
             with self._lock:
-                self._n_started += 1
-                if done:
-                    self._n_done += 1
+                self._counts["transfers_started"] += 1
+                self._counts["transfers_done"] += done
         return xfer
 
     def _abort_post_locked(self, xfer: Transfer, exc: BaseException) -> None:
@@ -1090,17 +1012,12 @@ class NixlTransport:
         xfer._handle = xfer._ops = None
         xfer._released = True
         xfer._failure = exc
-        if _is_disconnect(exc):
-            xfer._peer.disconnected = True
+        _note_disconnect(xfer._peer, exc)
         if handle is not None:
-            try:
-                ops.releaseXferReq(handle)
-            except Exception as rel_exc:
-                logger.warning("releasing a failed transfer's handle failed: %s", rel_exc)
+            _quietly("releasing a failed transfer's handle", ops, "releaseXferReq", handle)
         with self._lock:
             self._forget_locked(xfer)
-            if classify(exc):
-                self._n_failed += 1
+            self._counts["transfers_failed"] += classify(exc)
 
     def send_notif(self, session_id: str, message: bytes) -> None:
         """Send a standalone NIXL notification to a peer. Safe from any thread.
@@ -1122,8 +1039,7 @@ class NixlTransport:
         try:
             agent.send_notif(peer.agent_name, message)
         except Exception as exc:
-            if _is_disconnect(exc):
-                peer.disconnected = True
+            _note_disconnect(peer, exc)
             raise
         sent_at = time.monotonic()
         with self._lock:
@@ -1157,16 +1073,8 @@ class NixlTransport:
         """Snapshot of the counters, mutually consistent. Safe from any thread."""
         with self._lock:
             return TransportStats(
-                transfers_started=self._n_started,
-                transfers_done=self._n_done,
-                transfers_failed=self._n_failed,
-                transfers_timed_out=self._n_timed_out,
-                transfers_released=self._n_released,
-                live_transfers=len(self._live),
-                peers=len(self._peers),
-                regions=len(self._regions),
-                release_refused=self._n_release_refused,
-                transfers_kept_at_removal=self._n_kept,
+                live_transfers=len(self._live), peers=len(self._peers),
+                regions=len(self._regions), **self._counts,
             )
 
     def close(self) -> None:
@@ -1214,8 +1122,8 @@ class NixlTransport:
                     leaked = getattr(agent, "_leaked_xfer_handles", None)
                     if isinstance(leaked, list):  # the wrapper frees these when destroyed
                         leaked.append(handle)
-            for remote in remote_agents:
-                _remove_remote_agent(agent, remote)
+            for name in remote_agents:
+                _quietly(f"removing remote agent {name!r}", agent, "remove_remote_agent", name)
             for region in regions:
                 _deregister(agent, region)
             with self._lock:
@@ -1239,7 +1147,7 @@ class NixlTransport:
         del retired  # frees the retired regions' memory (unless tied to the agent)
 
     def _check_open(self) -> None:
-        """Caller holds ``_lock``."""
+        """Raise :class:`TransportClosedError` once closed (one bool read: lock optional)."""
         if self._closed:
             raise TransportClosedError(f"transport {self._name!r} is closed")
 
@@ -1255,16 +1163,9 @@ class NixlTransport:
         self._live.discard(xfer)
         xfer._peer.transfers.discard(xfer)  # the entry it was added to, even if since removed
 
-    def _on_done(self) -> None:
+    def _count(self, counter: str) -> None:
         with self._lock:
-            self._n_done += 1
-
-    def _on_failed(self, *, timed_out: bool) -> None:
-        with self._lock:
-            if timed_out:
-                self._n_timed_out += 1
-            else:
-                self._n_failed += 1
+            self._counts[counter] += 1
 
 
 def _memory_of(name: str, mem: torch.Tensor | npt.NDArray[Any]) -> tuple[int, int, str, int]:
@@ -1348,13 +1249,8 @@ def _prep_pages(agent: Any, agent_name: str, info: RegionInfo, what: str) -> Any
     cannot prepare it (descriptors are then built per write). Never raises."""
     if info.num_pages > _MAX_PREPPED_PAGES:
         return None
-    rows = _descs(
-        info.base_addr,
-        info.page_bytes,
-        np.arange(info.num_pages, dtype=np.int64),
-        1,
-        info.device_id,
-    )
+    pages = np.arange(info.num_pages, dtype=np.int64)
+    rows = _descs(info.base_addr, info.page_bytes, pages, 1, info.device_id)
     try:
         return agent.prep_xfer_dlist(agent_name, rows, info.mem_type, ["UCX"])
     except Exception as exc:
@@ -1362,58 +1258,40 @@ def _prep_pages(agent: Any, agent_name: str, info: RegionInfo, what: str) -> Any
         return None
 
 
+def _quietly(what: str, agent: Any, method: str, *args: Any) -> None:
+    """``agent.method(*args)``, a NIXL clean-up step: a failure is logged, never raised."""
+    try:
+        getattr(agent, method)(*args)
+    except Exception as exc:
+        logger.warning("%s failed: %s", what, exc)
+
+
 def _release_prepped(agent: Any, handle: Any) -> None:
     """Release a prepared descriptor list (``None`` is fine). Never raises."""
-    if handle is None or agent is None:
-        return
-    try:
-        agent.release_dlist_handle(handle)
-    except Exception as exc:
-        logger.warning("releasing a prepared descriptor list failed: %s", exc)
+    if handle is not None and agent is not None:
+        _quietly("releasing a prepared descriptor list", agent, "release_dlist_handle", handle)
 
 
 def _deregister(agent: Any, region: _LocalRegion) -> None:
-    """Deregister ``region``'s memory from NIXL. Never raises (a failure is logged)."""
-    try:
-        agent.deregister_memory(region.reg_descs, ["UCX"])
-    except Exception as exc:
-        logger.warning("deregistering region %r failed: %s", region.info.name, exc)
-
-
-def _remove_remote_agent(agent: Any, name: str) -> None:
-    """Make NIXL forget remote agent ``name``. Never raises (a failure is logged)."""
-    try:
-        agent.remove_remote_agent(name)
-    except Exception as exc:
-        logger.warning("removing remote agent %r failed: %s", name, exc)
+    what = f"deregistering region {region.info.name!r}"
+    _quietly(what, agent, "deregister_memory", region.reg_descs, ["UCX"])
 
 
 def _rows_for(
-    li: RegionInfo,
-    remote: RegionInfo,
-    src: npt.NDArray[np.int64],
-    dst: npt.NDArray[np.int64],
+    li: RegionInfo, remote: RegionInfo, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
     coalesce: bool,
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
     """Descriptor rows of one unprepared write; ``coalesce`` merges runs consecutive on
     both sides."""
-    n = int(src.shape[0])
-    runs = (src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1) if coalesce and n > 1 else None
-    if runs is not None and not bool(runs.any()):
-        return (  # one run: a single descriptor each
-            _descs(li.base_addr, li.page_bytes, src[:1], n, li.device_id),
-            _descs(remote.base_addr, remote.page_bytes, dst[:1], n, remote.device_id),
-        )
-    if runs is not None:
+    counts: npt.NDArray[np.int64] | int = 1
+    if coalesce and src.shape[0] > 1:
+        runs = (src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)
         starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(runs) + 1))
-        counts = np.append(starts[1:], n) - starts
-        return (
-            _descs(li.base_addr, li.page_bytes, src[starts], counts, li.device_id),
-            _descs(remote.base_addr, remote.page_bytes, dst[starts], counts, remote.device_id),
-        )
+        counts = np.append(starts[1:], src.shape[0]) - starts
+        src, dst = src[starts], dst[starts]
     return (
-        _descs(li.base_addr, li.page_bytes, src, 1, li.device_id),
-        _descs(remote.base_addr, remote.page_bytes, dst, 1, remote.device_id),
+        _descs(li.base_addr, li.page_bytes, src, counts, li.device_id),
+        _descs(remote.base_addr, remote.page_bytes, dst, counts, remote.device_id),
     )
 
 
@@ -1421,35 +1299,33 @@ _SMALL_WRITE = 16
 """Writes of at most this many pages are validated with Python lists (cheaper)."""
 
 
-def _check_bounds(lo: int, hi: int, num_pages: int, what: str, region: str) -> None:
-    if lo < 0 or hi >= num_pages:
-        bad = lo if lo < 0 else hi
-        raise TransportParamError(
-            f"{what}: page {bad} out of range for region {region!r} ({num_pages} pages)"
-        )
-
-
 _NO_PAGES: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
 
 
 def _check_pages(
-    pages: npt.NDArray[np.int64], num_pages: int, what: str, region: str, *, unique: bool
+    pages: npt.NDArray[np.int64] | list[int], num_pages: int, what: str, region: str, *,
+    unique: bool,
 ) -> None:
     """Raise :class:`TransportParamError` unless every page is in ``range(num_pages)`` and,
     with ``unique``, none repeats."""
-    lo, hi, repeats = scan_pages(pages, unique=unique)
+    if isinstance(pages, list):  # a short write's
+        lo, hi, repeats = min(pages), max(pages), unique and len(set(pages)) != len(pages)
+    else:
+        lo, hi, repeats = scan_pages(pages, unique=unique)
     if lo < 0 or hi >= num_pages:
-        _check_bounds(lo, hi, num_pages, what, region)
+        raise TransportParamError(
+            f"{what}: page {lo if lo < 0 else hi} out of range for region {region!r} "
+            f"({num_pages} pages)"
+        )
     if repeats:
         raise TransportParamError(f"{what} contains duplicates")
 
 
-def _is_disconnect(exc: BaseException) -> bool:
-    """``exc`` is NIXL's "remote agent disconnected" error."""
-    cls = None if _nixl.bindings is None else getattr(
-        _nixl.bindings, "nixlRemoteDisconnectError", None
-    )
-    return cls is not None and isinstance(exc, cls)
+def _note_disconnect(peer: _Peer, exc: BaseException) -> None:
+    """Mark ``peer`` disconnected if ``exc`` is NIXL's "remote agent disconnected" error."""
+    cls = getattr(_nixl.bindings, "nixlRemoteDisconnectError", None)
+    if cls is not None and isinstance(exc, cls):
+        peer.disconnected = True
 
 
 def _mem_seg(bindings: Any, mem_type: str) -> Any:
@@ -1491,15 +1367,10 @@ def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
     Raises AgentSetupError (naming the attempts, interface changes and UCX environment)."""
     strict = _nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     # The wrapper's own binding agent (no progress thread, no backend) is replaced below.
-    wrapper = _nixl.nixl_agent(
-        name,
-        _nixl.nixl_agent_config(
-            enable_prog_thread=False,
-            enable_listen_thread=False,
-            backends=[],
-            sync_mode=strict,
-        ),
+    inert_config = _nixl.nixl_agent_config(
+        enable_prog_thread=False, enable_listen_thread=False, backends=[], sync_mode=strict
     )
+    wrapper = _nixl.nixl_agent(name, inert_config)
     if "UCX" not in wrapper.get_plugin_list():
         raise AgentSetupError("NIXL has no UCX plugin on this machine")
     config = bindings.nixlAgentConfig()
@@ -1518,6 +1389,7 @@ def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
         wrapper.agent = bindings.nixlAgent(name, config)
         try:
             wrapper.create_backend("UCX")
+            break
         except Exception as exc:
             if backend_error is None or not isinstance(exc, backend_error):
                 raise
@@ -1526,37 +1398,28 @@ def _make_agent(bindings: Any, name: str, progress_delay_us: int) -> Any:
             changed_any = changed_any or bool(change)
             seen = (
                 f"network interfaces changed meanwhile: {change}"
-                if change
-                else "no network interface appeared or vanished meanwhile"
+                if change else "no network interface appeared or vanished meanwhile"
             )
             notes.append(f"attempt {attempt}: {status_name(exc)}, {seen}")
-            if attempt < AGENT_ATTEMPTS and (change or attempt == 1):
-                logger.warning(
-                    "creating the UCX backend of NIXL agent %r failed (%s); retrying",
-                    name,
-                    notes[-1],
-                )
-                time.sleep(AGENT_RETRY_PAUSE_S * attempt)
-                continue
-            if changed_any:
+            if attempt == AGENT_ATTEMPTS or not (change or attempt == 1):
                 cause = (
-                    "a network interface UCX had found vanished while the agent was made "
-                    "(e.g. another process's veth torn down): confine UCX to the devices you "
-                    "mean with UCX_NET_DEVICES"
+                    "a network interface UCX had found vanished while the agent was made (e.g. "
+                    "another process's veth torn down): confine UCX to the devices you mean "
+                    "with UCX_NET_DEVICES"
+                    if changed_any
+                    else "the failure repeated with no interface change, so it is not the "
+                    "transient one: check UCX_NET_DEVICES (a device that does not exist or has "
+                    "no address) and UCX_TLS (no usable transport)"
                 )
-            else:
-                cause = (
-                    "the failure repeated with no interface change, so it is not the "
-                    "transient one: check UCX_NET_DEVICES (a device that does not exist or "
-                    "has no address) and UCX_TLS (no usable transport)"
-                )
-            raise AgentSetupError(
-                f"could not create the UCX backend of NIXL agent {name!r} "
-                f"({'; '.join(notes)}): {cause}. UCX prints its own reason on this "
-                f"process's stderr; {_ucx_env()}",
-                tuple(notes),
-                changed_any,
-            ) from exc
-        break
+                raise AgentSetupError(
+                    f"could not create the UCX backend of NIXL agent {name!r} "
+                    f"({'; '.join(notes)}): {cause}. UCX prints its own reason on this "
+                    f"process's stderr; {_ucx_env()}",
+                    tuple(notes), changed_any,
+                ) from exc
+            logger.warning(
+                "creating the UCX backend of NIXL agent %r failed (%s); retrying", name, notes[-1]
+            )
+            time.sleep(AGENT_RETRY_PAUSE_S * attempt)
     del inert
     return wrapper

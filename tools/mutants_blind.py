@@ -327,17 +327,15 @@ with self._lock:
         self._done = True
         if self._peer.disconnected:  # it completed: the peer is reachable again
             self._peer.disconnected = False
-        self._transport._on_done()
+        self._transport._count("transfers_done")
         return "DONE"
     if status != _NIXL_PROC:
         err = TransferFailedError(f"NIXL transfer status {status!r} for {self!r}")
-        self._fail_locked(err, timed_out=False)
-        raise err
+        raise self._fail_locked(err, timed_out=False)
     if time.monotonic() - self._start >= self._timeout_s:
-        err2 = TransferTimeoutError(self._peer.session_id, self._timeout_s)
         self._timed_out = True
-        self._fail_locked(err2, timed_out=True)
-        raise err2
+        late = TransferTimeoutError(self._peer.session_id, self._timeout_s)
+        raise self._fail_locked(late, timed_out=True)
     return "PROC"
 """,
         kind="race",
