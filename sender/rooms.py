@@ -13,11 +13,12 @@ pool (POOL) -> ``failure_lock`` (FAILURE); the notifier's counter lock is innerm
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,22 +40,10 @@ __all__ = ["COUNTERS", "After", "ManagerEvents", "ManagerPurge", "RoomEntry", "R
 logger = logging.getLogger("sender.manager")
 
 COUNTERS = (
-    "rooms_opened",
-    "rooms_succeeded",
-    "rooms_failed",
-    "rooms_cleared",
-    "purges",
-    "chunks_submitted",
-    "chunks_done",
-    "chunks_skipped",
-    "chunks_failed",
-    "chunks_drained",
-    "chunks_released_by_transport",
-    "bytes_posted",
-    "transfers_abandoned",
-    "refused_late_writes",
-    "sessions_failed",
-    "worker_errors",
+    "rooms_opened", "rooms_succeeded", "rooms_failed", "rooms_cleared", "purges",
+    "chunks_submitted", "chunks_done", "chunks_skipped", "chunks_failed", "chunks_drained",
+    "chunks_released_by_transport", "bytes_posted", "transfers_abandoned",
+    "refused_late_writes", "sessions_failed", "worker_errors",
 )
 """The room table's counters (``ManagerStats`` fields of the same names)."""
 
@@ -67,17 +56,14 @@ MAX_ROOMS_LOGGED = 64
 """A session failed as a whole is logged once, naming at most this many of its rooms."""
 
 
+@dataclass(slots=True, eq=False)
 class After:
-    """What a locked section decided to do after its lock: listener events, log lines,
-    sessions to fail. Filled under the lock, :meth:`run` after it. Not thread-safe."""
+    """What a locked section decided to do after its lock: listener events and log lines.
+    Filled under the lock, :meth:`run` after it. Not thread-safe."""
 
-    __slots__ = ("concluded", "ended", "fatal", "logs")
-
-    def __init__(self) -> None:
-        self.concluded: list[tuple[int, int, str, str, float]] = []
-        self.ended: list[tuple[str, str, float, int]] = []
-        self.logs: list[tuple[int, str, tuple[Any, ...]]] = []
-        self.fatal: list[tuple[str, BaseException]] = []
+    concluded: list[tuple[int, int, str, str, float]] = field(default_factory=list)
+    ended: list[tuple[str, str, float, int]] = field(default_factory=list)
+    logs: list[tuple[int, str, tuple[Any, ...]]] = field(default_factory=list)
 
     def must_seal(self) -> bool:
         """Whether readers must see it emitted: listener events or a ``WARNING``+ line."""
@@ -162,10 +148,6 @@ def _note(exc: BaseException, text: str) -> None:
         exc.__notes__ = [*(notes or ()), text]
 
 
-def _no_bytes(chunk: Chunk) -> int:
-    return 0
-
-
 class PlainGate:
     """A room's post gate outside debug mode (debug: a ``MutexLock`` of level ROOM_GATE): a
     bare ``threading.Lock``, made at open time so DPOR explorers see it."""
@@ -236,7 +218,7 @@ class RoomTable:
         self.unaccounted_errors = 0
         self._chunk_ids = itertools.count(1)
         # A chunk's payload in bytes (set by the pipeline before any chunk exists).
-        self.nbytes: Callable[[Chunk], int] = _no_bytes
+        self.nbytes: Callable[[Chunk], int] = lambda chunk: 0
         # --- Publication, guarded by _publish_lock (a leaf lock, never held across a
         # listener call): _unpublished maps each sealed After not yet emitted to the lock its
         # publisher holds while emitting it (None: nobody took it on yet). Readers publish or
@@ -253,6 +235,16 @@ class RoomTable:
         if after.must_seal():
             with self._publish_lock:
                 self._unpublished[after] = None
+
+    @contextlib.contextmanager
+    def deciding(self, *, untimed: bool = True) -> Iterator[After]:
+        """A write section of ``lock`` (timed unless ``untimed``) whose After is sealed in it
+        and published after it (an exception skips both)."""
+        after = After()
+        with self.lock.write_untimed() if untimed else self.lock.write():
+            yield after
+            self.seal_locked(after)
+        self.publish(after)
 
     def publish(self, after: After) -> None:
         """Emit ``after`` unless a reader took it over (after the lock). Never raises."""
@@ -491,10 +483,9 @@ class RoomTable:
             ValueError: not a session of the room; or too few destination pages for the
                 declared ``num_kv_indices`` (then the room is failed, the info not stored).
         """
-        after = After()
         short = False
         reason = ""
-        with self.lock.write():
+        with self.deciding(untimed=False) as after:
             entry = self.live_locked(handle, count=True)
             if entry is None:
                 return False
@@ -523,8 +514,6 @@ class RoomTable:
                 )
                 if len(infos) == len(entry.sessions):
                     self.set_status_locked(handle.room, KVPoll.WaitingForInput)
-            self.seal_locked(after)
-        self.publish(after)
         if short:
             raise ValueError(f"room {handle.room} failed: {reason}")
         return True
@@ -559,15 +548,11 @@ class RoomTable:
         chunk_idx: int | None = None,
     ) -> bool:
         """:meth:`fail_locked` in one write section. Never raises for a state reason."""
-        after = After()
-        with self.lock.write_untimed():
-            failed = self.fail_locked(
+        with self.deciding() as after:
+            return self.fail_locked(
                 handle, exc, reason, after, code=code, session_id=session_id,
                 chunk_idx=chunk_idx,
             )
-            self.seal_locked(after)
-        self.publish(after)
-        return failed
 
     def purge(self, room: int, generation: int | None) -> ManagerPurge:
         """See ``KVManager.purge_room``: under the post gate, one untimed write section.
@@ -644,12 +629,8 @@ class RoomTable:
     def fail_session(self, session_id: str, reason: str) -> frozenset[int]:
         """Fail every open, unconcluded room of ``session_id`` and drop its staging keys, in
         one untimed write section. Never raises for a state reason."""
-        after = After()
-        with self.lock.write_untimed():
-            failed = self.fail_session_locked(session_id, reason, after)
-            self.seal_locked(after)
-        self.publish(after)
-        return failed
+        with self.deciding() as after:
+            return self.fail_session_locked(session_id, reason, after)
 
     def fail_session_locked(self, session_id: str, reason: str, after: After) -> frozenset[int]:
         """:meth:`fail_session` in the caller's write section (rooms and counter together)."""
@@ -834,8 +815,7 @@ class RoomTable:
             c for c in staged if self.staging.request_prefetch(c.handle, c.chunk_idx, c.session_id)
         ]
         complete = False
-        after = After()
-        with self.lock.write():
+        with self.deciding(untimed=False) as after:
             entry = self.live_locked(handle, count=bool(kept))
             if entry is None:
                 kept = []
@@ -845,8 +825,6 @@ class RoomTable:
             if len(kept) != len(staged):
                 ids = {c.chunk_id for c in kept}
                 self.skipped_locked([c for c in staged if c.chunk_id not in ids], after)
-            self.seal_locked(after)
-        self.publish(after)
         if complete:
             self.staging.mark_prefetched(handle)
         return kept
@@ -864,11 +842,8 @@ class RoomTable:
 
     def skip(self, chunks: Sequence[Chunk]) -> None:
         """:meth:`skipped_locked` in one write section."""
-        after = After()
-        with self.lock.write():
+        with self.deciding(untimed=False) as after:
             self.skipped_locked(chunks, after)
-            self.seal_locked(after)
-        self.publish(after)
 
     def _ended_locked(self, chunk: Chunk, outcome: str, after: After) -> None:
         """Count an unposted chunk ended ``"failed"`` or ``"skipped"``; ``lock`` held."""
@@ -885,42 +860,38 @@ class RoomTable:
 
     def slot_failed(self, chunk: Chunk, exc: BaseException) -> None:
         """No staging slot for ``chunk``: fail its room; the chunk ends failed (or skipped)."""
-        after = After()
-        with self.lock.write():
-            if self.fail_locked(
-                chunk.handle, exc, f"no staging slot: {exc}", after, code="internal",
-                session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
-            ):
-                self._ended_locked(chunk, "failed", after)
-            else:
-                self._ended_locked(chunk, "skipped", after)
-            self.seal_locked(after)
-        self.publish(after)
+        self._fail_chunk(chunk, exc, f"no staging slot: {exc}", untimed=False)
 
     def internal_error(self, chunk: Chunk, exc: BaseException, *, chunk_ends: bool) -> None:
         """An unexpected error handling ``chunk``: count it, fail the room, and with
         ``chunk_ends`` end the chunk. Never raises."""
         try:
-            after = After()
-            with self.lock.write_untimed():
-                self.counts["worker_errors"] += 1
-                failed = self.fail_locked(
-                    chunk.handle, exc, f"internal error in transfer worker: {exc!r}", after,
-                    code="internal", session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
-                )
-                if chunk_ends:
-                    self._ended_locked(chunk, "failed" if failed else "skipped", after)
-                self.seal_locked(after)
-            self.publish(after)
+            self._fail_chunk(
+                chunk, exc, f"internal error in transfer worker: {exc!r}",
+                chunk_ends=chunk_ends, worker_error=True,
+            )
         except BaseException:
             self.unaccounted_errors += 1
+
+    def _fail_chunk(
+        self, chunk: Chunk, exc: BaseException, reason: str, *, untimed: bool = True,
+        chunk_ends: bool = True, worker_error: bool = False,
+    ) -> None:
+        with self.deciding(untimed=untimed) as after:
+            if worker_error:
+                self.counts["worker_errors"] += 1
+            failed = self.fail_locked(
+                chunk.handle, exc, reason, after, code="internal",
+                session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
+            )
+            if chunk_ends:
+                self._ended_locked(chunk, "failed" if failed else "skipped", after)
 
     def mark_hung(self, chunk: Chunk, exc: BaseException, *, fail_session: bool = False) -> bool:
         """The chunk failed by us while NIXL still has it: fail its room (and its session
         with ``fail_session``), keep the chunk until it settles. ``False`` if hung or ended
         already."""
-        after = After()
-        with self.lock.write_untimed():
+        with self.deciding() as after:
             if chunk.hung is not None or chunk.ended:
                 return False
             chunk.hung = exc
@@ -934,8 +905,6 @@ class RoomTable:
             )
             if fail_session:
                 self.fail_session_locked(chunk.session_id, f"{type(exc).__name__}: {exc}", after)
-            self.seal_locked(after)
-        self.publish(after)
         return True
 
     def account_ends(
