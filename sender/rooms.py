@@ -305,10 +305,7 @@ class RoomTable:
 
     def peek(self, handle: RoomHandle) -> RoomEntry | None:
         """The opening's entry, read without the lock: an early look only."""
-        entry = self.rooms.get(handle.room)
-        if entry is None or entry.handle.generation != handle.generation:
-            return None
-        return entry
+        return self.live_locked(handle)
 
     def live_locked(self, handle: RoomHandle, *, count: bool = False) -> RoomEntry | None:
         """The opening's entry, or ``None`` (``count``: counted as a refused late write; then
@@ -740,24 +737,18 @@ class RoomTable:
                         f"session {info.session_id!r}; a staging slot holds "
                         f"{self.pool.slot_pages}"
                     )
-                dst_checked = info.dst_checked
+                dst = info.dst_checked
+                src = None
+                if sends and src_checked is not None:
+                    src = src_checked[skip:] if skip else src_checked
                 chunks.append(
                     Chunk(
-                        handle,
-                        chunk_idx,
-                        info.session_id,
+                        handle, chunk_idx, info.session_id,
                         kv_indices[skip:] if skip else kv_indices,
-                        info.dst_pages[start + skip : end] if dst_checked is None else None,
-                        info.byte_range,
-                        info.dst_region,
-                        is_last,
-                        next(ids),
-                        (src_checked[skip:] if skip else src_checked)
-                        if sends and src_checked is not None
-                        else None,
-                        dst_checked[start + skip : end]
-                        if sends and dst_checked is not None
-                        else None,
+                        info.dst_pages[start + skip : end] if dst is None else None,
+                        info.byte_range, info.dst_region, is_last, next(ids),
+                        src,
+                        dst[start + skip : end] if sends and dst is not None else None,
                         now,
                     )
                 )
@@ -944,9 +935,7 @@ class RoomTable:
                     self.notifier.withhold(handle)
                 elif drained and left == 0:
                     self.notifier.drained(handle)  # its opening's last posted chunk ended
-                entry = self.rooms.get(handle.room)
-                if entry is not None and entry.handle.generation != handle.generation:
-                    entry = None
+                entry = self.live_locked(handle)
                 if not drained and entry is not None:
                     entry.inflight.pop(chunk_id, None)
                 # mutant-site: account-ends-if-2
@@ -971,33 +960,25 @@ class RoomTable:
                 if outcome != "failed" or already_failed:
                     continue
                 assert exc is not None
-                room = handle.room
+                what = f"transfer of chunk {chunk.chunk_idx} to {chunk.session_id!r}"
+                stored: BaseException = exc
                 if released:
                     counts["chunks_released_by_transport"] += 1
                     reason = (
-                        f"transfer of chunk {chunk.chunk_idx} to {chunk.session_id!r} was "
-                        "released by the transport (peer removed or transport closed)"
+                        f"{what} was released by the transport (peer removed or transport "
+                        "closed)"
                     )
-                    stored: BaseException = KVTransferError(
-                        room, reason, generation=handle.generation,
-                        session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
-                    )
-                    stored.__cause__ = exc
                     code = "transport"
                 else:
-                    reason = (
-                        f"transfer of chunk {chunk.chunk_idx} to {chunk.session_id!r} failed: "
-                        f"{exc!r}"
-                    )
-                    stored = exc
+                    reason = f"{what} failed: {exc!r}"
                     code = code_for(reason, exc)
-                    if isinstance(exc, TransferFailedError):
-                        stored = KVTransferError(
-                            room, f"transfer in error state ({exc})",
-                            generation=handle.generation, session_id=chunk.session_id,
-                            chunk_idx=chunk.chunk_idx,
-                        )
-                        stored.__cause__ = exc
+                if released or isinstance(exc, TransferFailedError):
+                    stored = KVTransferError(
+                        handle.room, reason if released else f"transfer in error state ({exc})",
+                        generation=handle.generation, session_id=chunk.session_id,
+                        chunk_idx=chunk.chunk_idx,
+                    )
+                    stored.__cause__ = exc
                 self.fail_locked(
                     handle, stored, reason, after, code=code, session_id=chunk.session_id,
                     chunk_idx=chunk.chunk_idx,
