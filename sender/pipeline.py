@@ -142,14 +142,8 @@ class TransportLike(Protocol):
     """What the pipeline needs of :class:`sender.transport.NixlTransport`."""
 
     def write_pages(
-        self,
-        session_id: str,
-        src_pages: PageIndices,
-        dst_pages: PageIndices,
-        notif: bytes | None = None,
-        *,
-        src_region: str = "kv",
-        dst_region: str = "kv",
+        self, session_id: str, src_pages: PageIndices, dst_pages: PageIndices,
+        notif: bytes | None = None, *, src_region: str = "kv", dst_region: str = "kv",
         timeout_s: float | None = None,
     ) -> TransferLike: ...
 
@@ -176,20 +170,10 @@ class ChunkPipeline:
     """
 
     def __init__(
-        self,
-        rooms: RoomTable,
-        transport: TransportLike,
-        kv_pool: torch.Tensor,
-        *,
-        staging_pool: StagingBufferPool | None,
-        num_workers: int,
-        transfer_timeout_s: float,
-        slot_timeout_s: float,
-        session_slots: int,
-        poll_interval_s: float | None,
-        kv_region: str,
-        staging_region: str,
-        fail_session_on_disconnect: bool,
+        self, rooms: RoomTable, transport: TransportLike, kv_pool: torch.Tensor, *,
+        staging_pool: StagingBufferPool | None, num_workers: int, transfer_timeout_s: float,
+        slot_timeout_s: float, session_slots: int, poll_interval_s: float | None, kv_region: str,
+        staging_region: str, fail_session_on_disconnect: bool,
     ) -> None:
         self.rooms = rooms
         self.transport = transport
@@ -537,12 +521,7 @@ class ChunkPipeline:
             region = self.kv_region
         dst: Any = chunk.dst_checked if chunk.dst_checked is not None else chunk.dst_pages
         return self.transport.write_pages(
-            chunk.session_id,
-            src,
-            dst,
-            notif,
-            src_region=region,
-            dst_region=chunk.dst_region,
+            chunk.session_id, src, dst, notif, src_region=region, dst_region=chunk.dst_region,
             timeout_s=self.transfer_timeout_s,
         )
 

@@ -65,6 +65,10 @@ class After:
     ended: list[tuple[str, str, float, int]] = field(default_factory=list)
     logs: list[tuple[int, str, tuple[Any, ...]]] = field(default_factory=list)
 
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        """A log line for after the lock."""
+        self.logs.append((level, msg, args))
+
     def must_seal(self) -> bool:
         """Whether readers must see it emitted: listener events or a ``WARNING``+ line."""
         if self.concluded or self.ended:
@@ -178,14 +182,8 @@ class RoomTable:
     """
 
     def __init__(
-        self,
-        staging: StagingContext,
-        *,
-        pool: StagingBufferPool | None,
-        notifier: Notifier,
-        lock: str,
-        debug: bool | None,
-        events: ManagerEvents | None = None,
+        self, staging: StagingContext, *, pool: StagingBufferPool | None, notifier: Notifier,
+        lock: str, debug: bool | None, events: ManagerEvents | None = None,
     ) -> None:
         self.staging = staging
         self.pool = pool
@@ -381,22 +379,19 @@ class RoomTable:
                 entry.concluded = True
                 entry.succeeded = True
                 self.counts["rooms_succeeded"] += 1
-                if after is not None and self.events is not None:
-                    after.concluded.append(
-                        (room, entry.handle.generation, "success", "ok",
-                         time.monotonic() - entry.opened_at)
-                    )
+                self._told_locked(entry, after, "success", "ok")
+
+    def _told_locked(self, entry: RoomEntry, after: After | None, outcome: str, code: str) -> None:
+        """The listener is told ``entry``'s room concluded (into ``after``, if any)."""
+        if after is not None and self.events is not None:
+            after.concluded.append(
+                (entry.handle.room, entry.handle.generation, outcome, code,
+                 time.monotonic() - entry.opened_at)
+            )
 
     def fail_locked(
-        self,
-        handle: RoomHandle,
-        exc: BaseException | None,
-        reason: str,
-        after: After | None,
-        *,
-        code: str | None = None,
-        session_id: str | None = None,
-        chunk_idx: int | None = None,
+        self, handle: RoomHandle, exc: BaseException | None, reason: str, after: After | None, *,
+        code: str | None = None, session_id: str | None = None, chunk_idx: int | None = None,
         quiet: bool = False,
     ) -> bool:
         """Fail the opening, keeping the first exception and reason; its first failure is
@@ -426,21 +421,12 @@ class RoomTable:
             self.failed_by_code[code] = self.failed_by_code.get(code, 0) + 1
             entry.concluded = True
             self.counts["rooms_failed"] += 1
-            if after is not None:
-                if self.events is not None:
-                    after.concluded.append(
-                        (room, handle.generation, "failed", code,
-                         time.monotonic() - entry.opened_at)
-                    )
-                if not quiet:
-                    after.logs.append(
-                        (
-                            logging.WARNING,
-                            "room %d generation %d failed (sessions %s): %s: %s",
-                            (room, handle.generation, ", ".join(entry.sessions), code,
-                             reason),
-                        )
-                    )
+            self._told_locked(entry, after, "failed", code)
+            if after is not None and not quiet:
+                after.log(
+                    logging.WARNING, "room %d generation %d failed (sessions %s): %s: %s",
+                    room, handle.generation, ", ".join(entry.sessions), code, reason,
+                )
         return True
 
     def count(self, name: str, n: int = 1) -> None:
@@ -535,14 +521,8 @@ class RoomTable:
             return True
 
     def fail(
-        self,
-        handle: RoomHandle,
-        exc: BaseException | None,
-        reason: str,
-        *,
-        code: str | None = None,
-        session_id: str | None = None,
-        chunk_idx: int | None = None,
+        self, handle: RoomHandle, exc: BaseException | None, reason: str, *,
+        code: str | None = None, session_id: str | None = None, chunk_idx: int | None = None,
     ) -> bool:
         """:meth:`fail_locked` in one write section. Never raises for a state reason."""
         with self.deciding() as after:
@@ -656,13 +636,10 @@ class RoomTable:
         if failed or logger.isEnabledFor(logging.DEBUG):
             named = ", ".join(f"{r} (gen {g})" for r, g in failed[:MAX_ROOMS_LOGGED])
             more = len(failed) - MAX_ROOMS_LOGGED
-            after.logs.append(
-                (
-                    level,
-                    "decode session %r failed (%s): %d unconcluded rooms failed%s%s",
-                    (session_id, reason, len(failed), f": {named}" if failed else "",
-                     f" and {more} more" if more > 0 else ""),
-                )
+            after.log(
+                level, "decode session %r failed (%s): %d unconcluded rooms failed%s%s",
+                session_id, reason, len(failed), f": {named}" if failed else "",
+                f" and {more} more" if more > 0 else "",
             )
         return frozenset(r for r, _ in failed)
 
@@ -679,15 +656,8 @@ class RoomTable:
     # ------------------------------------------------------------------ chunks
 
     def begin_chunk(
-        self,
-        handle: RoomHandle,
-        chunk_idx: int,
-        start: int,
-        kv_indices: Any,
-        src_checked: CheckedPages | None,
-        is_last: bool,
-        *,
-        entry_expected: RoomEntry | None = None,
+        self, handle: RoomHandle, chunk_idx: int, start: int, kv_indices: Any,
+        src_checked: CheckedPages | None, is_last: bool, *, entry_expected: RoomEntry | None = None,
         enqueue: Callable[[list[Chunk]], None] | None = None,
     ) -> list[Chunk] | None:
         """Check a send and make one chunk per session, in one write section; ``None`` if
@@ -899,10 +869,8 @@ class RoomTable:
         return True
 
     def account_ends(
-        self,
-        ends: Sequence[tuple[Chunk, BaseException | None, bool, bool]],
-        nbytes: Callable[[Chunk], int],
-        fatal: Callable[[BaseException], bool],
+        self, ends: Sequence[tuple[Chunk, BaseException | None, bool, bool]],
+        nbytes: Callable[[Chunk], int], fatal: Callable[[BaseException], bool],
     ) -> After:
         """The locked half of ending claimed chunks ``(chunk, exc, abandoned,
         already_failed)``, in one write section: unregister, count, advance or fail the
