@@ -35,46 +35,26 @@ from sender.errors import (
 from sender.pages import CheckedPages
 from sender.poll import KVPoll
 from sender.rooms import After, RoomEntry, RoomTable
-from sender.transport import (
-    POLL_PAUSE_FRACTION,
-    POLL_PAUSE_MIN_S,
-    PageIndices,
-    pause_between_polls,
-)
-from staging.buffers import (
-    PoolClosedError,
-    PoolExhaustedError,
-    StagingBufferPool,
-    StagingSlot,
-)
+from sender.transport import POLL_PAUSE_FRACTION, POLL_PAUSE_MIN_S, PageIndices, pause_between_polls
+from staging.buffers import PoolClosedError, PoolExhaustedError, StagingBufferPool, StagingSlot
 from staging.context import RoomHandle
 from staging.validate import bounded_wait, check_chunk_idx, check_index
 
 __all__ = [
-    "FAILED_BY_US",
-    "HUNG_SWEEP_S",
-    "SESSION_FATAL_ERRORS",
-    "ChunkPipeline",
-    "SlotsHeldByHungError",
-    "TransportLike",
+    "FAILED_BY_US", "HUNG_SWEEP_S", "SESSION_FATAL_ERRORS", "ChunkPipeline",
+    "SlotsHeldByHungError", "TransportLike",
 ]
 
 logger = logging.getLogger("sender.manager")
 
 # Errors meaning the decode peer is gone or hung: all its rooms fail (``fail_session``).
+_DISCONNECT = getattr(_nixl.bindings, "nixlRemoteDisconnectError", None)
 SESSION_FATAL_ERRORS: tuple[type[BaseException], ...] = (
-    TransferTimeoutError,
-    *(
-        (_nixl.bindings.nixlRemoteDisconnectError,)
-        if _nixl.bindings is not None and hasattr(_nixl.bindings, "nixlRemoteDisconnectError")
-        else ()
-    ),
+    (TransferTimeoutError,) if _DISCONNECT is None else (TransferTimeoutError, _DISCONNECT)
 )
 
 FAILED_BY_US: tuple[type[BaseException], ...] = (
-    TransferTimeoutError,
-    PeerNotFoundError,
-    RegionRetiredError,
+    TransferTimeoutError, PeerNotFoundError, RegionRetiredError
 )
 """Transfer errors of our doing (a deadline, ``remove_peer``, ``deregister_region``): NIXL
 may still move the bytes, so the chunk ends only once ``settled()``."""
@@ -798,12 +778,11 @@ class ChunkPipeline:
         try:
             if pause_s > 0:
                 return self._queue.get(timeout=bounded_wait(pause_s))
-            unit = self._queue.get_nowait()
+            return self._queue.get_nowait()
         except queue.Empty:
             if pause_s <= 0:
                 pause_between_polls(0.0)
             return _IDLE
-        return unit
 
     def _worker_main(self) -> None:
         """A worker: run queued units and, between them, poll the chunks in flight; it never

@@ -570,27 +570,18 @@ class RoomTable:
             if not is_concluded(status):
                 self.counts["rooms_cleared"] += 1
                 entry.concluded = True
-                after.logs.append(
-                    (
-                        logging.INFO,
-                        "room %d generation %d cleared before it concluded (status %s, "
-                        "%d chunks draining)",
-                        (room, entry.handle.generation, getattr(status, "name", status),
-                         draining),
-                    )
+                after.log(
+                    logging.INFO,
+                    "room %d generation %d cleared before it concluded (status %s, "
+                    "%d chunks draining)",
+                    room, entry.handle.generation, getattr(status, "name", status), draining,
                 )
-                if self.events is not None:
-                    after.concluded.append(
-                        (room, entry.handle.generation, "cleared", "cleared",
-                         time.monotonic() - entry.opened_at)
-                    )
+                self._told_locked(entry, after, "cleared", "cleared")
             # None for a room that succeeded, then failed (docs/PROTOCOL.md).
             if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
                 failed = status is _FAILED
                 notice = RoomNotice(
-                    room,
-                    entry.handle.generation,
-                    "failed" if failed else "cleared",
+                    room, entry.handle.generation, "failed" if failed else "cleared",
                     (entry.failure_code or code_for(record, exception)) if failed else "cleared",
                 )
                 if draining:
@@ -599,9 +590,7 @@ class RoomTable:
                     self.notifier.enqueue(notice, entry.sessions)
             self.seal_locked(after)
         self.publish(after)
-        return ManagerPurge(
-            room, True, status, tuple(tables), staged, exception, record, draining
-        )
+        return ManagerPurge(room, True, status, tuple(tables), staged, exception, record, draining)
 
     def fail_session(self, session_id: str, reason: str) -> frozenset[int]:
         """Fail every open, unconcluded room of ``session_id`` and drop its staging keys, in
@@ -979,16 +968,12 @@ class RoomTable:
     def slot_holders(self) -> list[Chunk]:
         """The posted chunks that hold a staging slot, open rooms' and draining."""
         with self.lock.read():
-            held = [
+            chunks = itertools.chain(*(e.inflight.values() for e in self.rooms.values()))
+            return [
                 c
-                for e in self.rooms.values()
-                for c in e.inflight.values()
+                for c in itertools.chain(chunks, self.draining.values())
                 if c.slot is not None and c.transfer is not None
             ]
-            held.extend(
-                c for c in self.draining.values() if c.slot is not None and c.transfer is not None
-            )
-        return held
 
     def hung_chunks(self) -> list[Chunk]:
         """A snapshot of the hung chunks."""
