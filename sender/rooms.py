@@ -248,20 +248,25 @@ class RoomTable:
         """Emit ``after`` unless a reader took it over (after the lock). Never raises."""
         if not after.must_seal():
             after.run(self.events)
-            return
+        else:
+            self._emit(after, wait=False)  # unless a reader emitted it, or is emitting it
+
+    def _emit(self, after: After, *, wait: bool) -> None:
+        """Emit ``after`` if sealed and not yet taken on, holding a fresh lock until done;
+        ``wait``: else wait for the thread emitting it."""
         with self._publish_lock:
-            if after not in self._unpublished or self._unpublished[after] is not None:
-                return  # a reader emitted it, or is emitting it
-            self._claim_locked(after)
-        self._run_claimed(after)
-
-    def _claim_locked(self, after: After) -> None:
-        """This thread emits ``after``, holding a fresh lock until done (``_publish_lock`` held)."""
-        done = threading.Lock()
-        done.acquire()  # a fresh lock: never blocks
-        self._unpublished[after] = done
-
-    def _run_claimed(self, after: After) -> None:
+            if after not in self._unpublished:
+                return  # emitted meanwhile
+            done = self._unpublished[after]
+            if done is None:
+                claim = threading.Lock()
+                claim.acquire()  # a fresh lock: never blocks
+                self._unpublished[after] = claim
+        if done is not None:
+            if wait:  # its lock is free once it was emitted
+                with done:
+                    pass
+            return
         mark = self._publishing
         outer = getattr(mark, "active", False)
         mark.active = True
@@ -287,17 +292,7 @@ class RoomTable:
         if not pending or getattr(self._publishing, "active", False):
             return
         for after in pending:
-            with self._publish_lock:
-                if after not in self._unpublished:
-                    continue  # emitted meanwhile
-                done = self._unpublished[after]
-                if done is None:
-                    self._claim_locked(after)
-            if done is None:
-                self._run_claimed(after)
-            else:  # another thread emits it; its lock is free once it did
-                with done:
-                    pass
+            self._emit(after, wait=True)
 
     # ------------------------------------------------------------------ reads
 
@@ -335,24 +330,15 @@ class RoomTable:
 
     def lingering_locked(self, handle: RoomHandle | None) -> int:
         """See ``KVManager.draining``. Caller holds ``lock``."""
-        if handle is None:
-            chunks: Sequence[Chunk] = list(self.draining.values())
-            n = len(chunks)
-        else:
-            n = self.draining_by_handle.get(handle, 0)
-            chunks = [] if not n or self.pool is None else self.draining_of_locked(handle)
+        n = len(self.draining) if handle is None else self.draining_by_handle.get(handle, 0)
         if self.pool is None:
             return n
-        if handle is not None:
-            owners = [] if self.live_locked(handle) is not None else [handle]
-        else:
-            owners = [
-                o
-                for o in self.pool.owners()
-                if isinstance(o, RoomHandle) and self.live_locked(o) is None
-            ]
-        held = sum(self.pool.owner_slots(o) for o in owners)
-        under_chunks = sum(1 for c in chunks if c.slot is not None)
+        held = sum(
+            self.pool.owner_slots(o)
+            for o in (self.pool.owners() if handle is None else [handle])
+            if isinstance(o, RoomHandle) and self.live_locked(o) is None
+        )
+        under_chunks = sum(1 for c in self.draining_of_locked(handle) if c.slot is not None)
         # mutant-site: lingering-locked
         return n + max(0, held - under_chunks)
 
