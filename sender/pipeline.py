@@ -293,7 +293,7 @@ class ChunkPipeline:
         for chunk in prefetched:
             try:
                 try:
-                    # A worker leased it already (_lease_or_park); inline, wait here.
+                    # A worker leased it already (_run_pool_unit); inline, wait here.
                     if chunk.slot is None:
                         chunk.slot = self._wait_for_slot(chunk)
                 except (PoolExhaustedError, PoolClosedError) as exc:
@@ -351,30 +351,24 @@ class ChunkPipeline:
         if pool.group_slots(session) >= cap and hung_slots.count(session) >= cap:
             raise SlotsHeldByHungError(num_slots, hung_slots.count(session), session, cap)
 
-    def _lease_or_park(self, unit: list[Chunk]) -> bool:
-        """Lease the unit's slot under its session's cap without waiting; ``False``: none."""
-        chunk = unit[0]
-        if chunk.slot is not None or not chunk.num_pages:
-            return True
-        pool = self.pool
-        assert pool is not None
-        # mutant-site: lease-or-park
-        chunk.slot = pool.try_acquire(
-            chunk.handle, group=chunk.session_id, group_cap=self.session_slots
-        )
-        return chunk.slot is not None
-
     def _run_pool_unit(self, unit: list[Chunk], parked_at: float | None) -> list[Chunk] | None:
         """Run ``unit`` once its slot is leased; ``None``: it stays parked. Past
         ``slot_timeout_s`` since ``parked_at``, or with only hung holders, it fails its room."""
         chunk = unit[0]
         rooms = self.rooms
+        pool = self.pool
+        assert pool is not None
         try:
             # Skip before leasing: a purged opening's lease would raise its draining() again.
             entry = rooms.peek(chunk.handle)
             if entry is None or rooms.request_status.get(chunk.handle.room) is KVPoll.Failed:
                 return self._run_unit(unit)  # skipped there
-            if self._lease_or_park(unit):
+            if chunk.slot is None and chunk.num_pages:  # under the session's cap, no wait
+                # mutant-site: lease-or-park
+                chunk.slot = pool.try_acquire(
+                    chunk.handle, group=chunk.session_id, group_cap=self.session_slots
+                )
+            if chunk.slot is not None or not chunk.num_pages:
                 return self._run_unit(unit)
             now = time.monotonic()
             # mutant-site: run-pool-unit
@@ -382,9 +376,8 @@ class ChunkPipeline:
                 parked_at = now
             self._give_up_if_slots_all_hung(chunk.session_id)
             if now - parked_at >= self.slot_timeout_s:
-                assert self.pool is not None
-                self.pool.note_exhausted()
-                raise PoolExhaustedError(self.pool.num_slots, self.slot_timeout_s)
+                pool.note_exhausted()
+                raise PoolExhaustedError(pool.num_slots, self.slot_timeout_s)
         except (PoolExhaustedError, PoolClosedError) as exc:
             rooms.slot_failed(chunk, exc)
             return []

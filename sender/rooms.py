@@ -649,15 +649,11 @@ class RoomTable:
         now = time.monotonic() if self.events is not None else 0.0
         after: After | None = None
         with self.lock.write():
-            entry = self.live_locked(handle)
-            if entry is None or (entry_expected is not None and entry is not entry_expected):
-                return None
-            if self.request_status.get(handle.room) is _FAILED:
+            entry = entry_expected or self.live_locked(handle)
+            if entry is None or not self.postable_locked(handle, entry):
                 return None
             infos = self.transfer_infos.get(handle.room)
-            if entry.num_kv_indices is None or infos is None or len(infos) != len(
-                entry.sessions
-            ):
+            if entry.num_kv_indices is None or infos is None or len(infos) != len(entry.sessions):
                 raise ValueError(f"room {handle.room} is not ready: no transfer info or no init")
             if chunk_idx in entry.chunk_idxs:
                 raise ValueError(f"chunk {chunk_idx} of room {handle.room} was already submitted")
