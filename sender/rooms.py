@@ -777,19 +777,6 @@ class RoomTable:
         with self.deciding(untimed=False) as after:
             self.skipped_locked(chunks, after)
 
-    def _ended_locked(self, chunk: Chunk, outcome: str, after: After) -> None:
-        """Count an unposted chunk ended ``"failed"`` or ``"skipped"``; ``lock`` held."""
-        if outcome == "skipped":
-            self.skipped_locked((chunk,), after)
-            return
-        self.counts["chunks_failed"] += 1
-        # mutant-site: ended-locked
-        if self.events is not None:
-            after.ended.append(
-                (chunk.session_id, "failed", time.monotonic() - chunk.made_at,
-                 self.nbytes(chunk))
-            )
-
     def slot_failed(self, chunk: Chunk, exc: BaseException) -> None:
         """No staging slot for ``chunk``: fail its room; the chunk ends failed (or skipped)."""
         self._fail_chunk(chunk, exc, f"no staging slot: {exc}", untimed=False)
@@ -809,6 +796,7 @@ class RoomTable:
         self, chunk: Chunk, exc: BaseException, reason: str, *, untimed: bool = True,
         chunk_ends: bool = True, worker_error: bool = False,
     ) -> None:
+        """Fail ``chunk``'s room; with ``chunk_ends`` the unposted chunk ends failed (skipped)."""
         with self.deciding(untimed=untimed) as after:
             if worker_error:
                 self.counts["worker_errors"] += 1
@@ -816,8 +804,16 @@ class RoomTable:
                 chunk.handle, exc, reason, after, code="internal",
                 session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
             )
-            if chunk_ends:
-                self._ended_locked(chunk, "failed" if failed else "skipped", after)
+            if chunk_ends and not failed:  # a purged opening's unposted chunk: skipped
+                self.skipped_locked((chunk,), after)
+            elif chunk_ends:
+                self.counts["chunks_failed"] += 1
+                # mutant-site: ended-locked
+                if self.events is not None:
+                    after.ended.append(
+                        (chunk.session_id, "failed", time.monotonic() - chunk.made_at,
+                         self.nbytes(chunk))
+                    )
 
     def mark_hung(self, chunk: Chunk, exc: BaseException, *, fail_session: bool = False) -> bool:
         """The chunk failed by us while NIXL still has it: fail its room (and its session
