@@ -9,6 +9,7 @@ non-blocking acquire, never released) alone releases its transfer and slot and a
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,6 +33,7 @@ class TransferLike(Protocol):
     def release(self) -> None: ...
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Chunk:
     """One chunk of one room for one session, and what became of it.
 
@@ -40,58 +42,25 @@ class Chunk:
     pollers skip it). ``hung`` is set once, under the room lock. The claim decides who ends it.
     """
 
-    __slots__ = (
-        "_claim",
-        "byte_range",
-        "chunk_id",
-        "chunk_idx",
-        "dst_checked",
-        "dst_pages",
-        "dst_region",
-        "handle",
-        "hung",
-        "is_last",
-        "made_at",
-        "session_id",
-        "slot",
-        "src_checked",
-        "src_pages",
-        "transfer",
-    )
-
-    def __init__(
-        self,
-        handle: RoomHandle,
-        chunk_idx: int,
-        session_id: str,
-        src_pages: PageArray,
-        dst_pages: PageArray | None,
-        byte_range: tuple[int, int] | None,
-        dst_region: str,
-        is_last: bool,
-        chunk_id: int,
-        src_checked: CheckedPages | None,
-        dst_checked: CheckedPages | None,
-        made_at: float,
-    ) -> None:
-        self.handle = handle
-        self.chunk_idx = chunk_idx
-        self.session_id = session_id
-        self.src_pages = src_pages
-        self.dst_pages = dst_pages  # None when dst_checked is set
-        self.byte_range = byte_range
-        self.dst_region = dst_region
-        self.is_last = is_last
-        self.chunk_id = chunk_id
-        # The pages checked once (sender/pages.py) for the transport; None: use the arrays.
-        self.src_checked = src_checked
-        self.dst_checked = dst_checked
-        self.made_at = made_at
-        # Set (once, under the room lock) when it failed by us while NIXL still has it.
-        self.hung: BaseException | None = None
-        self.transfer: Any = None  # TransferLike once posted
-        self.slot: StagingSlot | None = None
-        self._claim = threading.Lock()  # looked up at call time: DPOR explorers see it
+    handle: RoomHandle
+    chunk_idx: int
+    session_id: str
+    src_pages: PageArray
+    dst_pages: PageArray | None  # None when dst_checked is set
+    byte_range: tuple[int, int] | None
+    dst_region: str
+    is_last: bool
+    chunk_id: int
+    # The pages checked once (sender/pages.py) for the transport; None: use the arrays.
+    src_checked: CheckedPages | None
+    dst_checked: CheckedPages | None
+    made_at: float
+    # Set (once, under the room lock) when it failed by us while NIXL still has it.
+    hung: BaseException | None = field(default=None, init=False)
+    transfer: Any = field(default=None, init=False)  # TransferLike once posted
+    slot: StagingSlot | None = field(default=None, init=False)
+    # threading.Lock looked up at call time: DPOR explorers see it.
+    _claim: threading.Lock = field(default_factory=lambda: threading.Lock(), init=False)
 
     def claim(self) -> bool:
         """``True`` for the one caller that gets to end this chunk."""

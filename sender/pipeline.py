@@ -2,18 +2,15 @@
 sweeps, ending each chunk exactly once, and the transfer workers.
 
 State changes go through the room table (:mod:`sender.rooms`); no lock of the model of its
-own. It takes a room's post gate (ROOM_GATE) around a send's check-and-register and posts;
-``_tracked_lock`` is a leaf lock outside the model. A send's chunks are one *unit* without a
-staging pool, one unit per chunk with one (docs/THREADING.md, 'The batched send'). Workers
-(``num_workers > 0``) run queued units and share one poll pass over posted chunks; pool units
-with no slot under their session's cap are parked. Inline, ``send`` runs the unit and
-``progress()`` polls. Hung chunks are swept every :data:`HUNG_SWEEP_S` wherever the manager
-runs (docs/THREADING.md, 'Hung chunks').
+own, but a room's post gate (ROOM_GATE) around a send's check-and-register and posts, and
+``_tracked_lock``, a leaf lock outside the model. A send's chunks are one *unit* without a
+staging pool, one unit per chunk with one (docs/THREADING.md, 'The batched send').
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import heapq
 import itertools
@@ -38,46 +35,26 @@ from sender.errors import (
 from sender.pages import CheckedPages
 from sender.poll import KVPoll
 from sender.rooms import After, RoomEntry, RoomTable
-from sender.transport import (
-    POLL_PAUSE_FRACTION,
-    POLL_PAUSE_MIN_S,
-    PageIndices,
-    pause_between_polls,
-)
-from staging.buffers import (
-    PoolClosedError,
-    PoolExhaustedError,
-    StagingBufferPool,
-    StagingSlot,
-)
+from sender.transport import POLL_PAUSE_FRACTION, POLL_PAUSE_MIN_S, PageIndices, pause_between_polls
+from staging.buffers import PoolClosedError, PoolExhaustedError, StagingBufferPool, StagingSlot
 from staging.context import RoomHandle
 from staging.validate import bounded_wait, check_chunk_idx, check_index
 
 __all__ = [
-    "FAILED_BY_US",
-    "HUNG_SWEEP_S",
-    "SESSION_FATAL_ERRORS",
-    "ChunkPipeline",
-    "SlotsHeldByHungError",
-    "TransportLike",
+    "FAILED_BY_US", "HUNG_SWEEP_S", "SESSION_FATAL_ERRORS", "ChunkPipeline",
+    "SlotsHeldByHungError", "TransportLike",
 ]
 
 logger = logging.getLogger("sender.manager")
 
 # Errors meaning the decode peer is gone or hung: all its rooms fail (``fail_session``).
+_DISCONNECT = getattr(_nixl.bindings, "nixlRemoteDisconnectError", None)
 SESSION_FATAL_ERRORS: tuple[type[BaseException], ...] = (
-    TransferTimeoutError,
-    *(
-        (_nixl.bindings.nixlRemoteDisconnectError,)
-        if _nixl.bindings is not None and hasattr(_nixl.bindings, "nixlRemoteDisconnectError")
-        else ()
-    ),
+    (TransferTimeoutError,) if _DISCONNECT is None else (TransferTimeoutError, _DISCONNECT)
 )
 
 FAILED_BY_US: tuple[type[BaseException], ...] = (
-    TransferTimeoutError,
-    PeerNotFoundError,
-    RegionRetiredError,
+    TransferTimeoutError, PeerNotFoundError, RegionRetiredError
 )
 """Transfer errors of our doing (a deadline, ``remove_peer``, ``deregister_region``): NIXL
 may still move the bytes, so the chunk ends only once ``settled()``."""
@@ -145,14 +122,8 @@ class TransportLike(Protocol):
     """What the pipeline needs of :class:`sender.transport.NixlTransport`."""
 
     def write_pages(
-        self,
-        session_id: str,
-        src_pages: PageIndices,
-        dst_pages: PageIndices,
-        notif: bytes | None = None,
-        *,
-        src_region: str = "kv",
-        dst_region: str = "kv",
+        self, session_id: str, src_pages: PageIndices, dst_pages: PageIndices,
+        notif: bytes | None = None, *, src_region: str = "kv", dst_region: str = "kv",
         timeout_s: float | None = None,
     ) -> TransferLike: ...
 
@@ -179,20 +150,10 @@ class ChunkPipeline:
     """
 
     def __init__(
-        self,
-        rooms: RoomTable,
-        transport: TransportLike,
-        kv_pool: torch.Tensor,
-        *,
-        staging_pool: StagingBufferPool | None,
-        num_workers: int,
-        transfer_timeout_s: float,
-        slot_timeout_s: float,
-        session_slots: int,
-        poll_interval_s: float | None,
-        kv_region: str,
-        staging_region: str,
-        fail_session_on_disconnect: bool,
+        self, rooms: RoomTable, transport: TransportLike, kv_pool: torch.Tensor, *,
+        staging_pool: StagingBufferPool | None, num_workers: int, transfer_timeout_s: float,
+        slot_timeout_s: float, session_slots: int, poll_interval_s: float | None, kv_region: str,
+        staging_region: str, fail_session_on_disconnect: bool,
     ) -> None:
         self.rooms = rooms
         self.transport = transport
@@ -242,12 +203,9 @@ class ChunkPipeline:
         start = check_index(start, "start")
         src_checked: CheckedPages | None = None
         if kv_indices.size:
-            # One check of the chunk's pages (bounds, then an int32 copy the transport uses
-            # as is; sender/pages.py) instead of one here and another per write.
-            try:
+            # One check of the pages (bounds, an int32 copy the transport uses as is).
+            with contextlib.suppress(TransportParamError):
                 src_checked = CheckedPages(kv_indices, unique=False)
-            except TransportParamError:
-                src_checked = None
             if src_checked is None or src_checked.max_page >= self._num_pages:
                 raise ValueError(_out_of_range(kv_indices, self._num_pages))
         rooms = self.rooms
@@ -279,9 +237,7 @@ class ChunkPipeline:
                 ends = self._post_all(chunks)
         if chunks is None:
             return 0
-        self._log_posts(chunks)
-        if ends:
-            self.end_many(ends)
+        self._posted(chunks, ends)
         return len(chunks)
 
     def _enqueue_each(self, chunks: list[Chunk]) -> None:
@@ -289,8 +245,7 @@ class ChunkPipeline:
             self._queue.put([chunk])
 
     def _run_unit(self, unit: list[Chunk]) -> list[Chunk]:
-        """Stage, check-and-post under the gate; the posted chunks still to poll. Never raises:
-        an unexpected error fails the room."""
+        """Stage, check-and-post under the gate; the chunks to poll. Never raises."""
         try:
             return self._start(unit)
         except BaseException as exc:  # before the chunks were registered: they end here
@@ -321,14 +276,11 @@ class ChunkPipeline:
             self._return_slots(unit)
             rooms.publish(skipped)
             return []
-        self._log_posts(unit)
-        if ends:
-            self.end_many(ends)
+        self._posted(unit, ends)
         return [c for c in unit if not c.ended]
 
     def _stage(self, entry: RoomEntry, unit: list[Chunk]) -> list[Chunk]:
-        """Lease a slot per chunk and gather into it; the chunks ready to post (the others
-        ended here)."""
+        """Lease a slot per chunk and gather into it; the chunks ready to post."""
         pool = self.pool
         assert pool is not None
         rooms = self.rooms
@@ -341,7 +293,7 @@ class ChunkPipeline:
         for chunk in prefetched:
             try:
                 try:
-                    # A worker leased it already (_lease_or_park); inline, wait here.
+                    # A worker leased it already (_run_pool_unit); inline, wait here.
                     if chunk.slot is None:
                         chunk.slot = self._wait_for_slot(chunk)
                 except (PoolExhaustedError, PoolClosedError) as exc:
@@ -359,13 +311,10 @@ class ChunkPipeline:
         return ready
 
     def _wait_for_slot(self, chunk: Chunk) -> StagingSlot:
-        """Inline mode: lease ``chunk`` a slot under its session's cap, waiting up to
-        ``slot_timeout_s`` while ending slot holders.
+        """Inline: lease a slot under the session's cap, ending slot holders while waiting.
 
         Raises:
-            PoolExhaustedError: none in time, or (:class:`SlotsHeldByHungError`) at once
-                when the slots it waits for are held by hung chunks.
-            PoolClosedError: the pool is closed.
+            PoolExhaustedError (or SlotsHeldByHungError), PoolClosedError.
         """
         pool = self.pool
         assert pool is not None
@@ -402,31 +351,24 @@ class ChunkPipeline:
         if pool.group_slots(session) >= cap and hung_slots.count(session) >= cap:
             raise SlotsHeldByHungError(num_slots, hung_slots.count(session), session, cap)
 
-    def _lease_or_park(self, unit: list[Chunk]) -> bool:
-        """Lease the unit's slot under its session's cap without waiting; ``False``: none
-        free (the caller parks it)."""
-        chunk = unit[0]
-        if chunk.slot is not None or not chunk.num_pages:
-            return True
-        pool = self.pool
-        assert pool is not None
-        # mutant-site: lease-or-park
-        chunk.slot = pool.try_acquire(
-            chunk.handle, group=chunk.session_id, group_cap=self.session_slots
-        )
-        return chunk.slot is not None
-
     def _run_pool_unit(self, unit: list[Chunk], parked_at: float | None) -> list[Chunk] | None:
         """Run ``unit`` once its slot is leased; ``None``: it stays parked. Past
         ``slot_timeout_s`` since ``parked_at``, or with only hung holders, it fails its room."""
         chunk = unit[0]
         rooms = self.rooms
+        pool = self.pool
+        assert pool is not None
         try:
             # Skip before leasing: a purged opening's lease would raise its draining() again.
             entry = rooms.peek(chunk.handle)
             if entry is None or rooms.request_status.get(chunk.handle.room) is KVPoll.Failed:
                 return self._run_unit(unit)  # skipped there
-            if self._lease_or_park(unit):
+            if chunk.slot is None and chunk.num_pages:  # under the session's cap, no wait
+                # mutant-site: lease-or-park
+                chunk.slot = pool.try_acquire(
+                    chunk.handle, group=chunk.session_id, group_cap=self.session_slots
+                )
+            if chunk.slot is not None or not chunk.num_pages:
                 return self._run_unit(unit)
             now = time.monotonic()
             # mutant-site: run-pool-unit
@@ -434,17 +376,15 @@ class ChunkPipeline:
                 parked_at = now
             self._give_up_if_slots_all_hung(chunk.session_id)
             if now - parked_at >= self.slot_timeout_s:
-                assert self.pool is not None
-                self.pool.note_exhausted()
-                raise PoolExhaustedError(self.pool.num_slots, self.slot_timeout_s)
+                pool.note_exhausted()
+                raise PoolExhaustedError(pool.num_slots, self.slot_timeout_s)
         except (PoolExhaustedError, PoolClosedError) as exc:
             rooms.slot_failed(chunk, exc)
             return []
         return None
 
     def _admit_pool_unit(self, unit: list[Chunk]) -> list[Chunk]:
-        """A new pool unit: queued behind its session's parked units (FIFO per session),
-        else tried at once. Returns the chunks to poll."""
+        """Park a new pool unit behind its session's parked units, else run it; to poll."""
         session = unit[0].session_id
         now = time.monotonic()
         with self._tracked_lock:
@@ -460,8 +400,7 @@ class ChunkPipeline:
         return pending
 
     def _retry_parked(self) -> None:
-        """Retry parked units (one worker at a time), each session's oldest first, stopping
-        at a session's first unit that must stay parked."""
+        """Retry parked units (one worker at a time), each session's oldest first."""
         if not self._park_claim.acquire(False):
             return
         try:
@@ -496,8 +435,7 @@ class ChunkPipeline:
                 self._run_unit(unit)
 
     def _end_slot_holders(self) -> None:
-        """Inline slot wait: poll every posted chunk holding a slot once, then sweep if due.
-        Never raises."""
+        """Poll every posted chunk holding a slot once, then sweep if due. Never raises."""
         try:
             self.poll_all(self.rooms.slot_holders())
         except BaseException:  # a release error: the chunk ended; the wait goes on
@@ -513,8 +451,7 @@ class ChunkPipeline:
                 chunk.slot = None
 
     def _post_all(self, chunks: Sequence[Chunk]) -> list[_End]:
-        """Post every registered chunk (gate held); the ends known at once (nothing to send,
-        a failed post, a write done inside its post)."""
+        """Post every registered chunk (gate held); the ends known at once."""
         ends: list[_End] = []
         for chunk in chunks:
             if not chunk.num_pages:  # all in the decode prefix
@@ -533,9 +470,8 @@ class ChunkPipeline:
                 ends.append((chunk, None, False, False))
         return ends
 
-    @staticmethod
-    def _log_posts(chunks: Sequence[Chunk]) -> None:
-        """DEBUG lines for a unit's posts (after its gate is released)."""
+    def _posted(self, chunks: Sequence[Chunk], ends: Sequence[_End]) -> None:
+        """After a unit's gate: DEBUG lines for its posts, then end the chunks ended at once."""
         if _debug_enabled():
             for chunk in chunks:
                 if chunk.transfer is not None:
@@ -544,6 +480,8 @@ class ChunkPipeline:
                         chunk.handle.room, chunk.handle.generation, chunk.chunk_idx,
                         chunk.session_id, chunk.num_pages,
                     )
+        if ends:
+            self.end_many(ends)
 
     def _write(self, chunk: Chunk) -> TransferLike:
         handle = chunk.handle
@@ -556,12 +494,7 @@ class ChunkPipeline:
             region = self.kv_region
         dst: Any = chunk.dst_checked if chunk.dst_checked is not None else chunk.dst_pages
         return self.transport.write_pages(
-            chunk.session_id,
-            src,
-            dst,
-            notif,
-            src_region=region,
-            dst_region=chunk.dst_region,
+            chunk.session_id, src, dst, notif, src_region=region, dst_region=chunk.dst_region,
             timeout_s=self.transfer_timeout_s,
         )
 
@@ -602,20 +535,20 @@ class ChunkPipeline:
     def poll_all(self, chunks: Sequence[Chunk]) -> list[Chunk]:
         """Poll each chunk once and end those that ended; the chunks still to poll."""
         ends: list[_End] = []
-        still: list[Chunk] = []
-        for chunk in chunks:
-            done, end = self.poll_once(chunk)
-            if end is not None:
-                ends.append(end)
-            if not done:
-                still.append(chunk)
+        still = [chunk for chunk in chunks if self._poll_into(chunk, ends)]
         if ends:
             self._end_many(ends)
         return still
 
+    def _poll_into(self, chunk: Chunk, ends: list[_End]) -> bool:
+        """:meth:`poll_once`, its end added to ``ends``; whether ``chunk`` is still to poll."""
+        done, end = self.poll_once(chunk)
+        if end is not None:
+            ends.append(end)
+        return not done
+
     def _retire_if_peer_removed(self, chunk: Chunk) -> None:
-        """Retire a hung chunk's slot once its peer was removed: no longer counted against
-        the pool or its session's cap, not reused while NIXL may read it."""
+        """Retire a hung chunk's slot (uncounted, not reused) once its peer was removed."""
         slot = chunk.slot
         if slot is not None and self.pool is not None and getattr(
             chunk.transfer, "peer_removed", False
@@ -624,8 +557,7 @@ class ChunkPipeline:
             self.pool.retire(slot)
 
     def _hang(self, chunk: Chunk, exc: BaseException) -> None:
-        """Fail the room of a chunk failed by us that NIXL still has (past a deadline, its
-        session too: a removed peer's id may already name a new peer)."""
+        """Fail the room (and a fatal error's session) of a chunk NIXL still has."""
         self.rooms.mark_hung(chunk, exc, fail_session=self._fatal(exc))
 
     def _fatal(self, exc: BaseException | None) -> bool:
@@ -636,8 +568,8 @@ class ChunkPipeline:
         return chunk.num_pages * per_page
 
     def _end_many(self, ends: Sequence[_End]) -> int:
-        """End each chunk this call claims (release, return its slot), then account all in
-        one room-lock section; how many it claimed. A release error is re-raised after."""
+        """End the chunks this call claims, accounted in one section; how many. A release
+        error is re-raised after."""
         claimed: list[_End] = []
         error: BaseException | None = None
         for end in ends:
@@ -786,8 +718,7 @@ class ChunkPipeline:
                 heapq.heappush(self._tracked, (now, next(self._tracked_seq), now, chunk))
 
     def _poll_in(self, age_s: float) -> float:
-        """When to poll again a chunk posted ``age_s`` ago: at once while young, then a
-        fraction of its age, at most :data:`HUNG_SWEEP_S` (or ``poll_interval_s``)."""
+        """When to poll again a chunk posted ``age_s`` ago."""
         if self.poll_interval_s is not None:
             return self.poll_interval_s
         if age_s < WORKER_SPIN_S:
@@ -795,8 +726,8 @@ class ChunkPipeline:
         return min(HUNG_SWEEP_S, max(POLL_PAUSE_MIN_S, age_s * POLL_PAUSE_FRACTION))
 
     def _poll_pass(self) -> bool:
-        """Poll each due tracked chunk once (one worker at a time), end those that ended,
-        reschedule the rest; whether any left the pass. Never raises."""
+        """Poll each due tracked chunk once (one worker at a time); whether any left. Never
+        raises."""
         if not self._pass_claim.acquire(False):
             return False
         try:
@@ -809,13 +740,7 @@ class ChunkPipeline:
             if not due:
                 return False
             ends: list[_End] = []
-            still: list[_Tracked] = []
-            for entry in due:
-                done, end = self.poll_once(entry[3])
-                if end is not None:
-                    ends.append(end)
-                if not done:
-                    still.append(entry)
+            still = [entry for entry in due if self._poll_into(entry[3], ends)]
             if still:
                 now = time.monotonic()
                 with self._tracked_lock:
@@ -846,12 +771,11 @@ class ChunkPipeline:
         try:
             if pause_s > 0:
                 return self._queue.get(timeout=bounded_wait(pause_s))
-            unit = self._queue.get_nowait()
+            return self._queue.get_nowait()
         except queue.Empty:
             if pause_s <= 0:
                 pause_between_polls(0.0)
             return _IDLE
-        return unit
 
     def _worker_main(self) -> None:
         """A worker: run queued units and, between them, poll the chunks in flight; it never

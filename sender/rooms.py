@@ -13,11 +13,12 @@ pool (POOL) -> ``failure_lock`` (FAILURE); the notifier's counter lock is innerm
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,22 +40,10 @@ __all__ = ["COUNTERS", "After", "ManagerEvents", "ManagerPurge", "RoomEntry", "R
 logger = logging.getLogger("sender.manager")
 
 COUNTERS = (
-    "rooms_opened",
-    "rooms_succeeded",
-    "rooms_failed",
-    "rooms_cleared",
-    "purges",
-    "chunks_submitted",
-    "chunks_done",
-    "chunks_skipped",
-    "chunks_failed",
-    "chunks_drained",
-    "chunks_released_by_transport",
-    "bytes_posted",
-    "transfers_abandoned",
-    "refused_late_writes",
-    "sessions_failed",
-    "worker_errors",
+    "rooms_opened", "rooms_succeeded", "rooms_failed", "rooms_cleared", "purges",
+    "chunks_submitted", "chunks_done", "chunks_skipped", "chunks_failed", "chunks_drained",
+    "chunks_released_by_transport", "bytes_posted", "transfers_abandoned",
+    "refused_late_writes", "sessions_failed", "worker_errors",
 )
 """The room table's counters (``ManagerStats`` fields of the same names)."""
 
@@ -67,17 +56,18 @@ MAX_ROOMS_LOGGED = 64
 """A session failed as a whole is logged once, naming at most this many of its rooms."""
 
 
+@dataclass(slots=True, eq=False)
 class After:
-    """What a locked section decided to do after its lock: listener events, log lines,
-    sessions to fail. Filled under the lock, :meth:`run` after it. Not thread-safe."""
+    """What a locked section decided to do after its lock: listener events and log lines.
+    Filled under the lock, :meth:`run` after it. Not thread-safe."""
 
-    __slots__ = ("concluded", "ended", "fatal", "logs")
+    concluded: list[tuple[int, int, str, str, float]] = field(default_factory=list)
+    ended: list[tuple[str, str, float, int]] = field(default_factory=list)
+    logs: list[tuple[int, str, tuple[Any, ...]]] = field(default_factory=list)
 
-    def __init__(self) -> None:
-        self.concluded: list[tuple[int, int, str, str, float]] = []
-        self.ended: list[tuple[str, str, float, int]] = []
-        self.logs: list[tuple[int, str, tuple[Any, ...]]] = []
-        self.fatal: list[tuple[str, BaseException]] = []
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        """A log line for after the lock."""
+        self.logs.append((level, msg, args))
 
     def must_seal(self) -> bool:
         """Whether readers must see it emitted: listener events or a ``WARNING``+ line."""
@@ -162,10 +152,6 @@ def _note(exc: BaseException, text: str) -> None:
         exc.__notes__ = [*(notes or ()), text]
 
 
-def _no_bytes(chunk: Chunk) -> int:
-    return 0
-
-
 class PlainGate:
     """A room's post gate outside debug mode (debug: a ``MutexLock`` of level ROOM_GATE): a
     bare ``threading.Lock``, made at open time so DPOR explorers see it."""
@@ -196,14 +182,8 @@ class RoomTable:
     """
 
     def __init__(
-        self,
-        staging: StagingContext,
-        *,
-        pool: StagingBufferPool | None,
-        notifier: Notifier,
-        lock: str,
-        debug: bool | None,
-        events: ManagerEvents | None = None,
+        self, staging: StagingContext, *, pool: StagingBufferPool | None, notifier: Notifier,
+        lock: str, debug: bool | None, events: ManagerEvents | None = None,
     ) -> None:
         self.staging = staging
         self.pool = pool
@@ -236,7 +216,7 @@ class RoomTable:
         self.unaccounted_errors = 0
         self._chunk_ids = itertools.count(1)
         # A chunk's payload in bytes (set by the pipeline before any chunk exists).
-        self.nbytes: Callable[[Chunk], int] = _no_bytes
+        self.nbytes: Callable[[Chunk], int] = lambda chunk: 0
         # --- Publication, guarded by _publish_lock (a leaf lock, never held across a
         # listener call): _unpublished maps each sealed After not yet emitted to the lock its
         # publisher holds while emitting it (None: nobody took it on yet). Readers publish or
@@ -254,24 +234,39 @@ class RoomTable:
             with self._publish_lock:
                 self._unpublished[after] = None
 
+    @contextlib.contextmanager
+    def deciding(self, *, untimed: bool = True) -> Iterator[After]:
+        """A write section of ``lock`` (timed unless ``untimed``) whose After is sealed in it
+        and published after it (an exception skips both)."""
+        after = After()
+        with self.lock.write_untimed() if untimed else self.lock.write():
+            yield after
+            self.seal_locked(after)
+        self.publish(after)
+
     def publish(self, after: After) -> None:
         """Emit ``after`` unless a reader took it over (after the lock). Never raises."""
         if not after.must_seal():
             after.run(self.events)
-            return
+        else:
+            self._emit(after, wait=False)  # unless a reader emitted it, or is emitting it
+
+    def _emit(self, after: After, *, wait: bool) -> None:
+        """Emit ``after`` if sealed and not yet taken on, holding a fresh lock until done;
+        ``wait``: else wait for the thread emitting it."""
         with self._publish_lock:
-            if after not in self._unpublished or self._unpublished[after] is not None:
-                return  # a reader emitted it, or is emitting it
-            self._claim_locked(after)
-        self._run_claimed(after)
-
-    def _claim_locked(self, after: After) -> None:
-        """This thread emits ``after``, holding a fresh lock until done (``_publish_lock`` held)."""
-        done = threading.Lock()
-        done.acquire()  # a fresh lock: never blocks
-        self._unpublished[after] = done
-
-    def _run_claimed(self, after: After) -> None:
+            if after not in self._unpublished:
+                return  # emitted meanwhile
+            done = self._unpublished[after]
+            if done is None:
+                claim = threading.Lock()
+                claim.acquire()  # a fresh lock: never blocks
+                self._unpublished[after] = claim
+        if done is not None:
+            if wait:  # its lock is free once it was emitted
+                with done:
+                    pass
+            return
         mark = self._publishing
         outer = getattr(mark, "active", False)
         mark.active = True
@@ -297,26 +292,13 @@ class RoomTable:
         if not pending or getattr(self._publishing, "active", False):
             return
         for after in pending:
-            with self._publish_lock:
-                if after not in self._unpublished:
-                    continue  # emitted meanwhile
-                done = self._unpublished[after]
-                if done is None:
-                    self._claim_locked(after)
-            if done is None:
-                self._run_claimed(after)
-            else:  # another thread emits it; its lock is free once it did
-                with done:
-                    pass
+            self._emit(after, wait=True)
 
     # ------------------------------------------------------------------ reads
 
     def peek(self, handle: RoomHandle) -> RoomEntry | None:
         """The opening's entry, read without the lock: an early look only."""
-        entry = self.rooms.get(handle.room)
-        if entry is None or entry.handle.generation != handle.generation:
-            return None
-        return entry
+        return self.live_locked(handle)
 
     def live_locked(self, handle: RoomHandle, *, count: bool = False) -> RoomEntry | None:
         """The opening's entry, or ``None`` (``count``: counted as a refused late write; then
@@ -348,24 +330,15 @@ class RoomTable:
 
     def lingering_locked(self, handle: RoomHandle | None) -> int:
         """See ``KVManager.draining``. Caller holds ``lock``."""
-        if handle is None:
-            chunks: Sequence[Chunk] = list(self.draining.values())
-            n = len(chunks)
-        else:
-            n = self.draining_by_handle.get(handle, 0)
-            chunks = [] if not n or self.pool is None else self.draining_of_locked(handle)
+        n = len(self.draining) if handle is None else self.draining_by_handle.get(handle, 0)
         if self.pool is None:
             return n
-        if handle is not None:
-            owners = [] if self.live_locked(handle) is not None else [handle]
-        else:
-            owners = [
-                o
-                for o in self.pool.owners()
-                if isinstance(o, RoomHandle) and self.live_locked(o) is None
-            ]
-        held = sum(self.pool.owner_slots(o) for o in owners)
-        under_chunks = sum(1 for c in chunks if c.slot is not None)
+        held = sum(
+            self.pool.owner_slots(o)
+            for o in (self.pool.owners() if handle is None else [handle])
+            if isinstance(o, RoomHandle) and self.live_locked(o) is None
+        )
+        under_chunks = sum(1 for c in self.draining_of_locked(handle) if c.slot is not None)
         # mutant-site: lingering-locked
         return n + max(0, held - under_chunks)
 
@@ -392,22 +365,19 @@ class RoomTable:
                 entry.concluded = True
                 entry.succeeded = True
                 self.counts["rooms_succeeded"] += 1
-                if after is not None and self.events is not None:
-                    after.concluded.append(
-                        (room, entry.handle.generation, "success", "ok",
-                         time.monotonic() - entry.opened_at)
-                    )
+                self._told_locked(entry, after, "success", "ok")
+
+    def _told_locked(self, entry: RoomEntry, after: After | None, outcome: str, code: str) -> None:
+        """The listener is told ``entry``'s room concluded (into ``after``, if any)."""
+        if after is not None and self.events is not None:
+            after.concluded.append(
+                (entry.handle.room, entry.handle.generation, outcome, code,
+                 time.monotonic() - entry.opened_at)
+            )
 
     def fail_locked(
-        self,
-        handle: RoomHandle,
-        exc: BaseException | None,
-        reason: str,
-        after: After | None,
-        *,
-        code: str | None = None,
-        session_id: str | None = None,
-        chunk_idx: int | None = None,
+        self, handle: RoomHandle, exc: BaseException | None, reason: str, after: After | None, *,
+        code: str | None = None, session_id: str | None = None, chunk_idx: int | None = None,
         quiet: bool = False,
     ) -> bool:
         """Fail the opening, keeping the first exception and reason; its first failure is
@@ -437,21 +407,12 @@ class RoomTable:
             self.failed_by_code[code] = self.failed_by_code.get(code, 0) + 1
             entry.concluded = True
             self.counts["rooms_failed"] += 1
-            if after is not None:
-                if self.events is not None:
-                    after.concluded.append(
-                        (room, handle.generation, "failed", code,
-                         time.monotonic() - entry.opened_at)
-                    )
-                if not quiet:
-                    after.logs.append(
-                        (
-                            logging.WARNING,
-                            "room %d generation %d failed (sessions %s): %s: %s",
-                            (room, handle.generation, ", ".join(entry.sessions), code,
-                             reason),
-                        )
-                    )
+            self._told_locked(entry, after, "failed", code)
+            if after is not None and not quiet:
+                after.log(
+                    logging.WARNING, "room %d generation %d failed (sessions %s): %s: %s",
+                    room, handle.generation, ", ".join(entry.sessions), code, reason,
+                )
         return True
 
     def count(self, name: str, n: int = 1) -> None:
@@ -491,10 +452,9 @@ class RoomTable:
             ValueError: not a session of the room; or too few destination pages for the
                 declared ``num_kv_indices`` (then the room is failed, the info not stored).
         """
-        after = After()
         short = False
         reason = ""
-        with self.lock.write():
+        with self.deciding(untimed=False) as after:
             entry = self.live_locked(handle, count=True)
             if entry is None:
                 return False
@@ -523,8 +483,6 @@ class RoomTable:
                 )
                 if len(infos) == len(entry.sessions):
                     self.set_status_locked(handle.room, KVPoll.WaitingForInput)
-            self.seal_locked(after)
-        self.publish(after)
         if short:
             raise ValueError(f"room {handle.room} failed: {reason}")
         return True
@@ -549,25 +507,15 @@ class RoomTable:
             return True
 
     def fail(
-        self,
-        handle: RoomHandle,
-        exc: BaseException | None,
-        reason: str,
-        *,
-        code: str | None = None,
-        session_id: str | None = None,
-        chunk_idx: int | None = None,
+        self, handle: RoomHandle, exc: BaseException | None, reason: str, *,
+        code: str | None = None, session_id: str | None = None, chunk_idx: int | None = None,
     ) -> bool:
         """:meth:`fail_locked` in one write section. Never raises for a state reason."""
-        after = After()
-        with self.lock.write_untimed():
-            failed = self.fail_locked(
+        with self.deciding() as after:
+            return self.fail_locked(
                 handle, exc, reason, after, code=code, session_id=session_id,
                 chunk_idx=chunk_idx,
             )
-            self.seal_locked(after)
-        self.publish(after)
-        return failed
 
     def purge(self, room: int, generation: int | None) -> ManagerPurge:
         """See ``KVManager.purge_room``: under the post gate, one untimed write section.
@@ -608,27 +556,18 @@ class RoomTable:
             if not is_concluded(status):
                 self.counts["rooms_cleared"] += 1
                 entry.concluded = True
-                after.logs.append(
-                    (
-                        logging.INFO,
-                        "room %d generation %d cleared before it concluded (status %s, "
-                        "%d chunks draining)",
-                        (room, entry.handle.generation, getattr(status, "name", status),
-                         draining),
-                    )
+                after.log(
+                    logging.INFO,
+                    "room %d generation %d cleared before it concluded (status %s, "
+                    "%d chunks draining)",
+                    room, entry.handle.generation, getattr(status, "name", status), draining,
                 )
-                if self.events is not None:
-                    after.concluded.append(
-                        (room, entry.handle.generation, "cleared", "cleared",
-                         time.monotonic() - entry.opened_at)
-                    )
+                self._told_locked(entry, after, "cleared", "cleared")
             # None for a room that succeeded, then failed (docs/PROTOCOL.md).
             if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
                 failed = status is _FAILED
                 notice = RoomNotice(
-                    room,
-                    entry.handle.generation,
-                    "failed" if failed else "cleared",
+                    room, entry.handle.generation, "failed" if failed else "cleared",
                     (entry.failure_code or code_for(record, exception)) if failed else "cleared",
                 )
                 if draining:
@@ -637,19 +576,13 @@ class RoomTable:
                     self.notifier.enqueue(notice, entry.sessions)
             self.seal_locked(after)
         self.publish(after)
-        return ManagerPurge(
-            room, True, status, tuple(tables), staged, exception, record, draining
-        )
+        return ManagerPurge(room, True, status, tuple(tables), staged, exception, record, draining)
 
     def fail_session(self, session_id: str, reason: str) -> frozenset[int]:
         """Fail every open, unconcluded room of ``session_id`` and drop its staging keys, in
         one untimed write section. Never raises for a state reason."""
-        after = After()
-        with self.lock.write_untimed():
-            failed = self.fail_session_locked(session_id, reason, after)
-            self.seal_locked(after)
-        self.publish(after)
-        return failed
+        with self.deciding() as after:
+            return self.fail_session_locked(session_id, reason, after)
 
     def fail_session_locked(self, session_id: str, reason: str, after: After) -> frozenset[int]:
         """:meth:`fail_session` in the caller's write section (rooms and counter together)."""
@@ -678,13 +611,10 @@ class RoomTable:
         if failed or logger.isEnabledFor(logging.DEBUG):
             named = ", ".join(f"{r} (gen {g})" for r, g in failed[:MAX_ROOMS_LOGGED])
             more = len(failed) - MAX_ROOMS_LOGGED
-            after.logs.append(
-                (
-                    level,
-                    "decode session %r failed (%s): %d unconcluded rooms failed%s%s",
-                    (session_id, reason, len(failed), f": {named}" if failed else "",
-                     f" and {more} more" if more > 0 else ""),
-                )
+            after.log(
+                level, "decode session %r failed (%s): %d unconcluded rooms failed%s%s",
+                session_id, reason, len(failed), f": {named}" if failed else "",
+                f" and {more} more" if more > 0 else "",
             )
         return frozenset(r for r, _ in failed)
 
@@ -701,15 +631,8 @@ class RoomTable:
     # ------------------------------------------------------------------ chunks
 
     def begin_chunk(
-        self,
-        handle: RoomHandle,
-        chunk_idx: int,
-        start: int,
-        kv_indices: Any,
-        src_checked: CheckedPages | None,
-        is_last: bool,
-        *,
-        entry_expected: RoomEntry | None = None,
+        self, handle: RoomHandle, chunk_idx: int, start: int, kv_indices: Any,
+        src_checked: CheckedPages | None, is_last: bool, *, entry_expected: RoomEntry | None = None,
         enqueue: Callable[[list[Chunk]], None] | None = None,
     ) -> list[Chunk] | None:
         """Check a send and make one chunk per session, in one write section; ``None`` if
@@ -726,15 +649,11 @@ class RoomTable:
         now = time.monotonic() if self.events is not None else 0.0
         after: After | None = None
         with self.lock.write():
-            entry = self.live_locked(handle)
-            if entry is None or (entry_expected is not None and entry is not entry_expected):
-                return None
-            if self.request_status.get(handle.room) is _FAILED:
+            entry = entry_expected or self.live_locked(handle)
+            if entry is None or not self.postable_locked(handle, entry):
                 return None
             infos = self.transfer_infos.get(handle.room)
-            if entry.num_kv_indices is None or infos is None or len(infos) != len(
-                entry.sessions
-            ):
+            if entry.num_kv_indices is None or infos is None or len(infos) != len(entry.sessions):
                 raise ValueError(f"room {handle.room} is not ready: no transfer info or no init")
             if chunk_idx in entry.chunk_idxs:
                 raise ValueError(f"chunk {chunk_idx} of room {handle.room} was already submitted")
@@ -759,24 +678,18 @@ class RoomTable:
                         f"session {info.session_id!r}; a staging slot holds "
                         f"{self.pool.slot_pages}"
                     )
-                dst_checked = info.dst_checked
+                dst = info.dst_checked
+                src = None
+                if sends and src_checked is not None:
+                    src = src_checked[skip:] if skip else src_checked
                 chunks.append(
                     Chunk(
-                        handle,
-                        chunk_idx,
-                        info.session_id,
+                        handle, chunk_idx, info.session_id,
                         kv_indices[skip:] if skip else kv_indices,
-                        info.dst_pages[start + skip : end] if dst_checked is None else None,
-                        info.byte_range,
-                        info.dst_region,
-                        is_last,
-                        next(ids),
-                        (src_checked[skip:] if skip else src_checked)
-                        if sends and src_checked is not None
-                        else None,
-                        dst_checked[start + skip : end]
-                        if sends and dst_checked is not None
-                        else None,
+                        info.dst_pages[start + skip : end] if dst is None else None,
+                        info.byte_range, info.dst_region, is_last, next(ids),
+                        src,
+                        dst[start + skip : end] if sends and dst is not None else None,
                         now,
                     )
                 )
@@ -834,8 +747,7 @@ class RoomTable:
             c for c in staged if self.staging.request_prefetch(c.handle, c.chunk_idx, c.session_id)
         ]
         complete = False
-        after = After()
-        with self.lock.write():
+        with self.deciding(untimed=False) as after:
             entry = self.live_locked(handle, count=bool(kept))
             if entry is None:
                 kept = []
@@ -845,8 +757,6 @@ class RoomTable:
             if len(kept) != len(staged):
                 ids = {c.chunk_id for c in kept}
                 self.skipped_locked([c for c in staged if c.chunk_id not in ids], after)
-            self.seal_locked(after)
-        self.publish(after)
         if complete:
             self.staging.mark_prefetched(handle)
         return kept
@@ -864,63 +774,52 @@ class RoomTable:
 
     def skip(self, chunks: Sequence[Chunk]) -> None:
         """:meth:`skipped_locked` in one write section."""
-        after = After()
-        with self.lock.write():
+        with self.deciding(untimed=False) as after:
             self.skipped_locked(chunks, after)
-            self.seal_locked(after)
-        self.publish(after)
-
-    def _ended_locked(self, chunk: Chunk, outcome: str, after: After) -> None:
-        """Count an unposted chunk ended ``"failed"`` or ``"skipped"``; ``lock`` held."""
-        if outcome == "skipped":
-            self.skipped_locked((chunk,), after)
-            return
-        self.counts["chunks_failed"] += 1
-        # mutant-site: ended-locked
-        if self.events is not None:
-            after.ended.append(
-                (chunk.session_id, "failed", time.monotonic() - chunk.made_at,
-                 self.nbytes(chunk))
-            )
 
     def slot_failed(self, chunk: Chunk, exc: BaseException) -> None:
         """No staging slot for ``chunk``: fail its room; the chunk ends failed (or skipped)."""
-        after = After()
-        with self.lock.write():
-            if self.fail_locked(
-                chunk.handle, exc, f"no staging slot: {exc}", after, code="internal",
-                session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
-            ):
-                self._ended_locked(chunk, "failed", after)
-            else:
-                self._ended_locked(chunk, "skipped", after)
-            self.seal_locked(after)
-        self.publish(after)
+        self._fail_chunk(chunk, exc, f"no staging slot: {exc}", untimed=False)
 
     def internal_error(self, chunk: Chunk, exc: BaseException, *, chunk_ends: bool) -> None:
         """An unexpected error handling ``chunk``: count it, fail the room, and with
         ``chunk_ends`` end the chunk. Never raises."""
         try:
-            after = After()
-            with self.lock.write_untimed():
-                self.counts["worker_errors"] += 1
-                failed = self.fail_locked(
-                    chunk.handle, exc, f"internal error in transfer worker: {exc!r}", after,
-                    code="internal", session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
-                )
-                if chunk_ends:
-                    self._ended_locked(chunk, "failed" if failed else "skipped", after)
-                self.seal_locked(after)
-            self.publish(after)
+            self._fail_chunk(
+                chunk, exc, f"internal error in transfer worker: {exc!r}",
+                chunk_ends=chunk_ends, worker_error=True,
+            )
         except BaseException:
             self.unaccounted_errors += 1
+
+    def _fail_chunk(
+        self, chunk: Chunk, exc: BaseException, reason: str, *, untimed: bool = True,
+        chunk_ends: bool = True, worker_error: bool = False,
+    ) -> None:
+        """Fail ``chunk``'s room; with ``chunk_ends`` the unposted chunk ends failed (skipped)."""
+        with self.deciding(untimed=untimed) as after:
+            if worker_error:
+                self.counts["worker_errors"] += 1
+            failed = self.fail_locked(
+                chunk.handle, exc, reason, after, code="internal",
+                session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
+            )
+            if chunk_ends and not failed:  # a purged opening's unposted chunk: skipped
+                self.skipped_locked((chunk,), after)
+            elif chunk_ends:
+                self.counts["chunks_failed"] += 1
+                # mutant-site: ended-locked
+                if self.events is not None:
+                    after.ended.append(
+                        (chunk.session_id, "failed", time.monotonic() - chunk.made_at,
+                         self.nbytes(chunk))
+                    )
 
     def mark_hung(self, chunk: Chunk, exc: BaseException, *, fail_session: bool = False) -> bool:
         """The chunk failed by us while NIXL still has it: fail its room (and its session
         with ``fail_session``), keep the chunk until it settles. ``False`` if hung or ended
         already."""
-        after = After()
-        with self.lock.write_untimed():
+        with self.deciding() as after:
             if chunk.hung is not None or chunk.ended:
                 return False
             chunk.hung = exc
@@ -934,15 +833,11 @@ class RoomTable:
             )
             if fail_session:
                 self.fail_session_locked(chunk.session_id, f"{type(exc).__name__}: {exc}", after)
-            self.seal_locked(after)
-        self.publish(after)
         return True
 
     def account_ends(
-        self,
-        ends: Sequence[tuple[Chunk, BaseException | None, bool, bool]],
-        nbytes: Callable[[Chunk], int],
-        fatal: Callable[[BaseException], bool],
+        self, ends: Sequence[tuple[Chunk, BaseException | None, bool, bool]],
+        nbytes: Callable[[Chunk], int], fatal: Callable[[BaseException], bool],
     ) -> After:
         """The locked half of ending claimed chunks ``(chunk, exc, abandoned,
         already_failed)``, in one write section: unregister, count, advance or fail the
@@ -975,9 +870,7 @@ class RoomTable:
                     self.notifier.withhold(handle)
                 elif drained and left == 0:
                     self.notifier.drained(handle)  # its opening's last posted chunk ended
-                entry = self.rooms.get(handle.room)
-                if entry is not None and entry.handle.generation != handle.generation:
-                    entry = None
+                entry = self.live_locked(handle)
                 if not drained and entry is not None:
                     entry.inflight.pop(chunk_id, None)
                 # mutant-site: account-ends-if-2
@@ -1002,33 +895,25 @@ class RoomTable:
                 if outcome != "failed" or already_failed:
                     continue
                 assert exc is not None
-                room = handle.room
+                what = f"transfer of chunk {chunk.chunk_idx} to {chunk.session_id!r}"
+                stored: BaseException = exc
                 if released:
                     counts["chunks_released_by_transport"] += 1
                     reason = (
-                        f"transfer of chunk {chunk.chunk_idx} to {chunk.session_id!r} was "
-                        "released by the transport (peer removed or transport closed)"
+                        f"{what} was released by the transport (peer removed or transport "
+                        "closed)"
                     )
-                    stored: BaseException = KVTransferError(
-                        room, reason, generation=handle.generation,
-                        session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
-                    )
-                    stored.__cause__ = exc
                     code = "transport"
                 else:
-                    reason = (
-                        f"transfer of chunk {chunk.chunk_idx} to {chunk.session_id!r} failed: "
-                        f"{exc!r}"
-                    )
-                    stored = exc
+                    reason = f"{what} failed: {exc!r}"
                     code = code_for(reason, exc)
-                    if isinstance(exc, TransferFailedError):
-                        stored = KVTransferError(
-                            room, f"transfer in error state ({exc})",
-                            generation=handle.generation, session_id=chunk.session_id,
-                            chunk_idx=chunk.chunk_idx,
-                        )
-                        stored.__cause__ = exc
+                if released or isinstance(exc, TransferFailedError):
+                    stored = KVTransferError(
+                        handle.room, reason if released else f"transfer in error state ({exc})",
+                        generation=handle.generation, session_id=chunk.session_id,
+                        chunk_idx=chunk.chunk_idx,
+                    )
+                    stored.__cause__ = exc
                 self.fail_locked(
                     handle, stored, reason, after, code=code, session_id=chunk.session_id,
                     chunk_idx=chunk.chunk_idx,
@@ -1061,16 +946,12 @@ class RoomTable:
     def slot_holders(self) -> list[Chunk]:
         """The posted chunks that hold a staging slot, open rooms' and draining."""
         with self.lock.read():
-            held = [
+            chunks = itertools.chain(*(e.inflight.values() for e in self.rooms.values()))
+            return [
                 c
-                for e in self.rooms.values()
-                for c in e.inflight.values()
+                for c in itertools.chain(chunks, self.draining.values())
                 if c.slot is not None and c.transfer is not None
             ]
-            held.extend(
-                c for c in self.draining.values() if c.slot is not None and c.transfer is not None
-            )
-        return held
 
     def hung_chunks(self) -> list[Chunk]:
         """A snapshot of the hung chunks."""

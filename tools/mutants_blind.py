@@ -235,27 +235,18 @@ with entry.gate.write_untimed(), self.lock.write_untimed():
     if not is_concluded(status):
         self.counts["rooms_cleared"] += 1
         entry.concluded = True
-        after.logs.append(
-            (
-                logging.INFO,
-                "room %d generation %d cleared before it concluded (status %s, "
-                "%d chunks draining)",
-                (room, entry.handle.generation, getattr(status, "name", status),
-                 draining),
-            )
+        after.log(
+            logging.INFO,
+            "room %d generation %d cleared before it concluded (status %s, "
+            "%d chunks draining)",
+            room, entry.handle.generation, getattr(status, "name", status), draining,
         )
-        if self.events is not None:
-            after.concluded.append(
-                (room, entry.handle.generation, "cleared", "cleared",
-                 time.monotonic() - entry.opened_at)
-            )
+        self._told_locked(entry, after, "cleared", "cleared")
     # None for a room that succeeded, then failed (docs/PROTOCOL.md).
     if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
         failed = status is _FAILED
         notice = RoomNotice(
-            room,
-            entry.handle.generation,
-            "failed" if failed else "cleared",
+            room, entry.handle.generation, "failed" if failed else "cleared",
             (entry.failure_code or code_for(record, exception)) if failed else "cleared",
         )
         if busy:
