@@ -347,8 +347,9 @@ class KVManager:
         return tuple(held)
 
     def stats(self) -> ManagerStats:
-        """Frozen counters and gauges. Thread-safe; read lock. Like :meth:`handle_status`,
-        returns once the log lines and listener calls of what they count were made."""
+        """Frozen counters and gauges. Thread-safe; read lock; never raises. Like
+        :meth:`handle_status`, returns once the log lines and listener calls of what they count
+        were made."""
         rooms = self.rooms
         # mutant-site: stats-with
         with self._room_lock.read():
