@@ -347,8 +347,9 @@ class KVManager:
         return tuple(held)
 
     def stats(self) -> ManagerStats:
-        """Frozen counters and gauges. Thread-safe; read lock. Like :meth:`handle_status`,
-        returns once the log lines and listener calls of what they count were made."""
+        """Frozen counters and gauges. Thread-safe; read lock; never raises. Like
+        :meth:`handle_status`, returns once the log lines and listener calls of what they count
+        were made."""
         rooms = self.rooms
         # mutant-site: stats-with
         with self._room_lock.read():
@@ -473,7 +474,12 @@ class KVManager:
 
     def ready(self, handle: RoomHandle) -> bool:
         """``True`` when every session's info is in and ``init_room`` was called.
-        Thread-safe; read lock."""
+        Thread-safe; read lock.
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`RoomHandle`.
+        """
+        _check_handle(handle)
         rooms = self.rooms
         with self._room_lock.read():
             entry = rooms.live_locked(handle)
@@ -513,7 +519,12 @@ class KVManager:
 
     def record_failure(self, handle: RoomHandle, exc: BaseException | None, reason: str) -> bool:
         """Fail the room: status ``Failed``, keep ``exc`` (first one wins) and ``reason``;
-        ``False`` (counted) for a purged room. Thread-safe; atomic."""
+        ``False`` (counted) for a purged room. Thread-safe; atomic.
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`RoomHandle`.
+        """
+        _check_handle(handle)
         return self.rooms.fail(handle, exc, reason)
 
     def pop_exception(self, handle: RoomHandle) -> BaseException | None:

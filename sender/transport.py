@@ -429,7 +429,7 @@ class Transfer:
 
     def release(self) -> None:
         """Release the NIXL handle, at most once. A write in progress may still land
-        **data** afterwards. A refused release is logged and retried by ``close()``.
+        **data** afterwards. Never raises: a refused release is logged and retried by ``close()``.
 
         Thread-safety: safe from any thread; blocks while a ``poll()`` of this transfer runs.
         """
@@ -669,7 +669,7 @@ class NixlTransport:
         return True
 
     def regions(self) -> dict[str, RegionInfo]:
-        """Snapshot of the registered local regions. Safe from any thread."""
+        """Snapshot of the registered local regions. Safe from any thread; never raises."""
         with self._lock:
             return {k: r.info for k, r in self._regions.items()}
 
@@ -812,7 +812,7 @@ class NixlTransport:
             _quietly(f"removing remote agent {name!r}", agent, "remove_remote_agent", name)
 
     def has_peer(self, session_id: str) -> bool:
-        """True if ``session_id`` is currently added. Safe from any thread."""
+        """True if ``session_id`` is currently added. Safe from any thread; never raises."""
         with self._lock:
             return session_id in self._peers
 
@@ -833,6 +833,7 @@ class NixlTransport:
         until a later write to it completes; ``False`` for an unknown session.
 
         Thread-safety: safe from any thread; takes no lock (one dict read, one bool read).
+        Never raises.
         """
         peer = self._peers.get(session_id)
         # mutant-site: peer-disconnected
@@ -1065,12 +1066,12 @@ class NixlTransport:
         return {str(k): [bytes(m) for m in v] for k, v in notifs.items() if v}
 
     def live_transfers(self) -> list[Transfer]:
-        """Snapshot of the transfers not yet released. Safe from any thread."""
+        """Snapshot of the transfers not yet released. Safe from any thread; never raises."""
         with self._lock:
             return list(self._live)
 
     def stats(self) -> TransportStats:
-        """Snapshot of the counters, mutually consistent. Safe from any thread."""
+        """Snapshot of the counters, mutually consistent. Safe from any thread; never raises."""
         with self._lock:
             return TransportStats(
                 live_transfers=len(self._live), peers=len(self._peers),

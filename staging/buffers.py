@@ -166,7 +166,8 @@ class StagingBufferPool:
         return self._page_bytes
 
     def view(self, slot: StagingSlot, num_pages: int | None = None) -> torch.Tensor:
-        """The slot's pages as a ``[num_pages, page_bytes]`` view. Thread-safe (no lock)."""
+        """The slot's pages as a ``[num_pages, page_bytes]`` view. Thread-safe (no lock);
+        never raises."""
         n = self._slot_pages if num_pages is None else num_pages
         return self._buffer.narrow(0, slot.first_page, n)
 
@@ -242,16 +243,17 @@ class StagingBufferPool:
     def retire(self, slot: StagingSlot) -> bool:
         """Stop counting a live lease against the pool, owner and group without freeing
         its memory until release; a spare, if left, takes its place. ``True`` if the lease
-        was live. Thread-safe; write lock."""
+        was live. Thread-safe; write lock; never raises."""
         return self._end_lease(slot, retire=True)
 
     def release(self, slot: StagingSlot) -> bool:
         """Return a lease (live or retired); ``True`` if it was. A stale or repeated release
-        does nothing. Thread-safe; write lock."""
+        does nothing. Thread-safe; write lock; never raises."""
         return self._end_lease(slot, retire=False)
 
     def release_owner(self, owner: Hashable) -> int:
-        """Return every slot leased to ``owner``; the number freed. Thread-safe; atomic."""
+        """Return every slot leased to ``owner``; the number freed. Thread-safe;
+        atomic; never raises."""
         with self._lock.write():
             indices = list(self._by_owner.get(owner, ()))
             freed = sum(self._release_unlocked(i, self._leases[i].lease) for i in indices)
@@ -261,33 +263,35 @@ class StagingBufferPool:
 
     def note_exhausted(self) -> None:
         """Count one exhaustion seen by a caller retrying :meth:`try_acquire` outside
-        :meth:`acquire`. Thread-safe; write lock."""
+        :meth:`acquire`. Thread-safe; write lock; never raises."""
         with self._lock.write():
             self._exhausted += 1
 
     def group_slots(self, group: Hashable) -> int:
-        """How many slots ``group`` holds now. Thread-safe; read lock."""
+        """How many slots ``group`` holds now. Thread-safe; read lock; never raises."""
         with self._lock.read():
             return self._by_group.get(group, 0)
 
     def owner_slots(self, owner: Hashable) -> int:
-        """How many slots ``owner`` holds now. Thread-safe; read lock."""
+        """How many slots ``owner`` holds now. Thread-safe; read lock; never raises."""
         with self._lock.read():
             return len(self._by_owner.get(owner, ()))
 
     def owners(self) -> frozenset[Hashable]:
-        """Snapshot of the owners holding at least one slot. Thread-safe; read lock."""
+        """Snapshot of the owners holding at least one slot. Thread-safe; read lock; never
+        raises."""
         with self._lock.read():
             return frozenset(self._by_owner)
 
     def close(self) -> None:
-        """Refuse further acquisitions and wake every waiter. Idempotent; thread-safe."""
+        """Refuse further acquisitions and wake every waiter. Idempotent; thread-safe; never
+        raises."""
         with self._lock.write():
             self._closed = True
         self._notify()
 
     def stats(self) -> PoolStats:
-        """Frozen counters. Thread-safe; read lock."""
+        """Frozen counters. Thread-safe; read lock; never raises."""
         with self._lock.read():
             return PoolStats(
                 num_slots=self._num_slots,

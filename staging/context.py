@@ -506,7 +506,11 @@ class StagingContext:
             return frozenset(self._rooms)
 
     def snapshot(self) -> StagingSnapshot:
-        """All three views taken under ONE read lock (mutually consistent). Thread-safe."""
+        """All three views taken under ONE read lock (mutually consistent). Thread-safe.
+
+        Raises:
+            LockTimeoutError: the lock was not acquired within ``lock_timeout``.
+        """
         with self._lock.read():
             return StagingSnapshot(
                 prefetched_rooms=frozenset(r for r, s in self._rooms.items() if s.prefetched),
@@ -515,7 +519,11 @@ class StagingContext:
             )
 
     def stats(self) -> StagingStats:
-        """Frozen counters taken under one read lock. Thread-safe."""
+        """Frozen counters taken under one read lock. Thread-safe.
+
+        Raises:
+            LockTimeoutError: the lock was not acquired within ``lock_timeout``.
+        """
         with self._lock.read():
             return StagingStats(
                 open_rooms=len(self._rooms),

@@ -102,7 +102,7 @@ class LockedDictView(MutableMapping[Any, Any]):
             return self._data.popitem()
 
     def clear(self) -> None:
-        """Remove every entry (values released after the lock)."""
+        """Remove every entry (values released after the lock). Never raises."""
         with self._lock:
             old = dict(self._data)
             self._data.clear()
@@ -126,7 +126,7 @@ class LockedDictView(MutableMapping[Any, Any]):
             return len(self._data)
 
     def snapshot(self) -> dict[Any, Any]:
-        """A copy of the dict, taken in one critical section."""
+        """A copy of the dict, taken in one critical section. Never raises."""
         with self._lock:
             return dict(self._data)
 
@@ -137,17 +137,17 @@ class LockedDictView(MutableMapping[Any, Any]):
         return iter(self.keys())
 
     def keys(self) -> list[Any]:  # type: ignore[override]
-        """A snapshot of the keys."""
+        """A snapshot of the keys. Never raises."""
         with self._lock:
             return list(self._data)
 
     def values(self) -> list[Any]:  # type: ignore[override]
-        """A snapshot of the values."""
+        """A snapshot of the values. Never raises."""
         with self._lock:
             return list(self._data.values())
 
     def items(self) -> list[tuple[Any, Any]]:  # type: ignore[override]
-        """A snapshot of the entries."""
+        """A snapshot of the entries. Never raises."""
         with self._lock:
             return list(self._data.items())
 
@@ -236,7 +236,7 @@ class DecodeCompatContext(FixedViews):
         return bootstrap, receiver
 
     def rooms(self) -> tuple[frozenset[Any], frozenset[Any]]:
-        """The rooms of both dicts, one snapshot. Thread-safe."""
+        """The rooms of both dicts, one snapshot. Thread-safe; never raises."""
         with self._lock:
             return frozenset(self._bootstrap), frozenset(self._receivers)
 

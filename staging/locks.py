@@ -314,12 +314,15 @@ class _LockBase:
         inner.release()
 
     def _give_checked(self, inner: _Acquirable, mode: LockMode) -> None:
-        """Debug mode's release: forget the calling thread's record, then :meth:`_give`."""
+        """Debug mode's release: forget the calling thread's record, then :meth:`_give`.
+        Raises :class:`LockNotHeldError` (nothing released) if this thread holds no record."""
         held = _held.locks
         for i in range(len(held) - 1, -1, -1):
             if held[i][0] is self:
                 del held[i]
                 break
+        else:
+            raise LockNotHeldError(f"{self._name!r} is not held for {mode} by this thread")
         self._give(inner, mode)
 
     # -- inspection --------------------------------------------------------------------
@@ -466,7 +469,12 @@ class MutexLock(_LockBase):
 
     def release_write(self) -> None:
         """Release what :meth:`acquire_write`/:meth:`acquire_write_untimed` took. The caller
-        must hold it (as with ``__exit__``, this is not checked outside debug mode)."""
+        must hold it (as with ``__exit__``, this is not checked outside debug mode).
+
+        Raises:
+            LockNotHeldError: debug mode, and the calling thread does not hold it.
+            RuntimeError: outside debug mode, the lock is not held by any thread.
+        """
         if self._debug:
             self._give_checked(self._mutex, "write")
             return

@@ -5,6 +5,7 @@ metadata), before any state changes. Real NIXL agents on loopback."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import struct
@@ -33,6 +34,7 @@ from tests.fixtures_nixl import NUM_PAGES, PAGE_BYTES, SenderPool, requires_nixl
 from tests.polling import conclude
 from tests.sender._scripted import SCRIPTED_SESSION, Rig
 from tests.sender._sessions import SESSIONS_PAGE_BYTES, A, SessionsRig, one_session_sender
+from tests.sender._stub_transport import StubTransport, _stub_manager
 
 pytestmark = [pytest.mark.nixl, requires_nixl, pytest.mark.timeout(60)]
 
@@ -710,3 +712,35 @@ def test_bad_configuration_is_refused_at_construction(
     closed.close()
     with pytest.raises(ValueError, match="new-user-closed' closed> is closed"):
         KVManager(closed, other)
+
+
+def _handle_methods() -> list[str]:
+    """Every public ``KVManager`` method that takes a room handle (found, so new ones join)."""
+    return sorted(
+        name
+        for name, fn in inspect.getmembers(KVManager, inspect.isfunction)
+        if not name.startswith("_") and "handle" in inspect.signature(fn).parameters
+    )
+
+
+_FILLER: dict[str, Any] = {
+    "info": make_transfer_info("d0", range(1)), "num_kv_indices": 1, "chunk_idx": 0,
+    "start": 0, "kv_indices": np.array([0]), "is_last": True, "exc": None, "reason": "r",
+    "timeout_s": 0.01,
+}
+
+
+@pytest.mark.parametrize("bad", ["7", (7, 1), 7], ids=["str", "plain-tuple", "int"])
+@pytest.mark.parametrize("method", _handle_methods())
+def test_a_non_handle_is_refused_with_type_error_and_changes_nothing(method: str, bad: Any) -> None:
+    """Each method taking a handle refuses anything but a ``RoomHandle`` (a plain tuple equal
+    to one included) with a ``TypeError`` naming it, before any state changes."""
+    mgr = _stub_manager(StubTransport())
+    handle = mgr.open_room(7, ["d0"])
+    fn = getattr(mgr, method)
+    params = list(inspect.signature(fn).parameters)[1:]
+    before = mgr.stats()
+    with pytest.raises(TypeError, match="RoomHandle"):
+        fn(bad, *(_FILLER[p] for p in params))
+    assert mgr.stats() == before
+    assert mgr.handle_status(handle) is KVPoll.Bootstrapping

@@ -271,6 +271,34 @@ def test_acquire_write_pair_behaves_like_the_write_guard(kind: str, debug: bool)
         pass
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_release_write_by_a_thread_that_does_not_hold_it(kind: str, debug: bool) -> None:
+    """``release_write()``: "only the thread that acquired" (docs/THREADING.md, the lock
+    model): another thread's release raises ``LockNotHeldError`` and leaves the lock held, on
+    ``RWLock`` always and on ``MutexLock`` in debug mode (outside it that is not checked)."""
+    lock = make_lock(kind, "t", 1, debug=debug)
+    lock.acquire_write()
+    raised: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            lock.release_write()
+        except BaseException as exc:  # reported to the test thread
+            raised.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    _join(t)
+    if kind == "mutex" and not debug:
+        assert not raised  # not checked: documented
+        return
+    assert [type(e) for e in raised] == [LockNotHeldError]
+    lock.assert_held("write")  # still ours
+    lock.release_write()
+    with lock.write():  # and usable
+        pass
+
+
 def test_acquire_write_times_out_like_the_guard(kind: str) -> None:
     lock = make_lock(kind, "slow", 1, timeout=0.05)
     errors: list[BaseException] = []
