@@ -299,3 +299,54 @@ def test_a_chunks_claim_has_exactly_one_winner_under_perturbed_threads() -> None
     finally:
         sys.setswitchinterval(old)
     assert doubles == 0, f"{doubles} of 300 chunks' claims had more or fewer than one winner"
+
+
+class EndAndRead:
+    """A room of one posted chunk whose transfer is DONE: one thread ends it
+    (``progress``), another reads the manager (``stats``). A listener counts the events."""
+
+    def __init__(self) -> None:
+        from tests.sender._instant_transport import _mem_manager
+        from tests.sender._listeners import Recorder
+
+        self.listener = Recorder()
+        self.mgr = _mem_manager(InstantTransport(states=("DONE",)), events=self.listener)
+        self.sender = NixlKVSender(self.mgr, ROOM, ["d0"], [make_transfer_info("d0", range(2))])
+        self.sender.init(2)
+        self.sender.send(np.array([0, 1]))
+        self.read: tuple[Any, dict[str, int]] | None = None
+
+    def end(self) -> None:
+        self.mgr.progress(self.sender.handle)
+
+    def stats(self) -> None:
+        st = self.mgr.stats()
+        self.read = (st, dict(self.listener.chunks))
+
+
+def _told_once(rig: EndAndRead) -> str | None:
+    rig.mgr.wait_drained(None, 1.0)
+    st = rig.mgr.stats()
+    chunks, rooms = dict(rig.listener.chunks), dict(rig.listener.rooms)
+    try:
+        if st.chunks_done != 1 or chunks != {"done": 1} or rooms != {"success": 1}:
+            return f"chunks_done={st.chunks_done}, listener chunks {chunks}, rooms {rooms}"
+        if rig.read is not None and rig.read[0].chunks_done > rig.read[1].get("done", 0):
+            return f"stats() returned chunks_done={rig.read[0].chunks_done}, told {rig.read[1]}"
+        return None
+    finally:
+        rig.mgr.close(1.0)
+
+
+def test_every_chunk_end_reaches_the_listener_once_beside_a_reader() -> None:
+    """docs/THREADING.md, *Listeners*: 'Every chunk end reaches it once ...: its counts
+    equal ``stats()``'; *The sender*: what a section decided is emitted by the deciding
+    thread or the first reader to see it. The ending thread is stopped at every point of the
+    library's code (``tests/interleave.py``) while ``stats()`` runs: whichever of the two
+    emits the end, the listener hears it (and the room's success) exactly once."""
+    from tests.interleave import explore
+
+    result = explore(EndAndRead, EndAndRead.end, EndAndRead.stats, _told_once, block_s=0.05)
+    print(f"end vs stats: {result.schedules} schedules, {result.blocked} blocked")
+    assert result.schedules >= 2
+    assert not result.failures, result.failures[:3]

@@ -215,3 +215,69 @@ def test_handing_a_sender_from_thread_to_thread_is_allowed(debug_mgr: HoldingMan
     assert results == [None, None, None, KVPoll.Success, None], results
     assert sender.poll() is KVPoll.Success
     sender.clear()
+
+
+class OverlapCounting(KVManager):
+    """``init_room`` counts the threads inside it at once (``most``) and stays a moment, so
+    an undetected second thread in ``NixlKVSender.init`` meets the first one there."""
+
+    STAY_S = 0.15
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._count_lock = threading.Lock()
+        self.inside = 0
+        self.most = 0
+
+    def init_room(self, *args: Any, **kw: Any) -> Any:
+        with self._count_lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        try:
+            threading.Event().wait(self.STAY_S)
+            return super().init_room(*args, **kw)
+        finally:
+            with self._count_lock:
+                self.inside -= 1
+
+
+class TwoInits:
+    """A debug-mode sender not yet ``init``-ed; two threads call its ``init``."""
+
+    def __init__(self) -> None:
+        self.mgr = OverlapCounting(
+            InstantTransport(), torch.zeros((PAGES, PAGE_BYTES), dtype=torch.uint8),
+            num_workers=0, staging=StagingContext(lock="mutex"), debug=True,
+        )
+        self.sender = NixlKVSender(
+            self.mgr, 7, [SESSION], [make_transfer_info(SESSION, range(PAGES))]
+        )
+        self.refused: list[BaseException] = []
+
+    def init(self) -> None:
+        try:
+            self.sender.init(PAGES)
+        except (ConcurrentSenderUseError, ValueError) as exc:  # ValueError: init twice
+            self.refused.append(exc)
+
+    def check(self) -> str | None:
+        try:
+            if self.mgr.most > 1:
+                return f"two threads inside init() at once, undetected; refused: {self.refused}"
+            return None
+        finally:
+            self.mgr.close()
+
+
+def test_two_threads_are_never_inside_at_once_at_every_preemption_point() -> None:
+    """*Two threads on one sender*: 'a thread entering one of the five while another is
+    inside one gets a ``ConcurrentSenderUseError``', so in debug mode two threads are never
+    inside one sender's methods at once. The first thread calling ``init`` is stopped at
+    every point of the library's code (``tests/interleave.py``), the second calls ``init``
+    meanwhile; whatever the schedule, at most one thread reaches the manager."""
+    from tests.interleave import explore
+
+    result = explore(TwoInits, TwoInits.init, TwoInits.init, TwoInits.check, block_s=0.05)
+    print(f"init vs init: {result.schedules} schedules, {result.blocked} blocked")
+    assert result.schedules >= 2
+    assert not result.failures, result.failures[:3]

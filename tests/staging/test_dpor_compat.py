@@ -359,3 +359,51 @@ def test_remove_is_one_check_and_remove(lock: str) -> None:
     rig = type(f"TwoRemovers_{lock}", (TwoRemovers,), {"lock": lock})
     holds(explore(rig, [TwoRemovers.remove_key, TwoRemovers.remove_key], TwoRemovers.holds,
                   f"remove vs remove ({lock})"))
+
+
+# ------------------------------------------------------------------ 5: pop is one step
+
+
+class TwoPoppers:
+    """Each view holds one element; two threads ``pop`` each view once."""
+
+    lock = "mutex"
+
+    def __init__(self) -> None:
+        self.ctx = CompatStagingContext(lock=self.lock, debug=False)
+        self.ctx.prefetch_requested.add((2, 0, "a"))
+        self.ctx.prefetched_rooms.add(3)
+        self.popped: list[object] = []  # list.append is atomic
+        self.empty: list[str] = []
+        self.errors: list[BaseException] = []
+
+    def _pop(self, view: Any, name: str) -> None:
+        try:
+            self.popped.append(view.pop())
+        except KeyError:
+            self.empty.append(name)
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def pop_both(self) -> None:
+        self._pop(self.ctx.prefetch_requested, "prefetch_requested")
+        self._pop(self.ctx.prefetched_rooms, "prefetched_rooms")
+
+    def holds(self) -> bool:
+        assert not self.errors, self.errors
+        assert sorted(map(repr, self.popped)) == ["(2, 0, 'a')", "3"], (
+            f"pop() returned {self.popped} and raised KeyError on {self.empty} (one element "
+            "per view, popped by 2 threads each): an element was handed out twice"
+        )
+        assert not self.ctx.prefetch_requested.snapshot() and not self.ctx.prefetched_rooms
+        return True
+
+
+@pytest.mark.parametrize("lock", LOCK_KINDS)
+def test_pop_is_one_choose_and_remove(lock: str) -> None:
+    """*CompatStagingContext*, ``view.remove(x)``, ``view.pop()``: write, atomic. Of two
+    threads popping a one-element view, exactly one gets the element and the other
+    ``KeyError``, in every interleaving."""
+    rig = type(f"TwoPoppers_{lock}", (TwoPoppers,), {"lock": lock})
+    holds(explore(rig, [TwoPoppers.pop_both, TwoPoppers.pop_both], TwoPoppers.holds,
+                  f"pop vs pop ({lock})"))

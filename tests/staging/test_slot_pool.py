@@ -125,3 +125,45 @@ def test_a_stale_release_never_frees_a_slot_someone_else_holds() -> None:
                      StaleReleaseVsAcquire.acquirer, StaleReleaseVsAcquire.check,
                      block_s=BLOCK_S)  # fmt: skip
     _ran(result, "pool stale release vs acquire")
+
+
+class RepeatedReleaseVsAcquire:
+    """One slot, leased by A. Two threads release A's lease at once (one release is then a
+    repeated one); the second thread then acquires for B and keeps what it got."""
+
+    def __init__(self) -> None:
+        self.pool = StagingBufferPool(1, 1, MEM_PAGE_BYTES)
+        slot = self.pool.try_acquire("A")
+        assert slot is not None
+        self.slot = slot
+        self.b: Any = None
+
+    def releaser(self) -> None:
+        self.pool.release(self.slot)
+
+    def release_then_acquire(self) -> None:
+        self.pool.release(self.slot)
+        self.b = self.pool.try_acquire("B")
+
+    def check(self) -> str | None:
+        st = self.pool.stats()
+        if self.b is None:
+            return f"B got no slot after A's lease was released: {st}"
+        held = self.pool.owner_slots("B")
+        if held != 1 or st.in_use != 1 or st.free != 0:
+            return f"a repeated release of A's lease freed B's slot: owner_slots(B)={held}, {st}"
+        return None
+
+
+def test_a_repeated_release_racing_another_never_frees_a_slot_someone_else_holds() -> None:
+    """*The staging slot pool*, ``release``: 'every lease has its own id, so a release names
+    its lease: a stale or repeated one is a no-op, never freeing a slot someone else holds'.
+    Two threads release the same lease concurrently (the first stopped at every point of
+    the pool's code, ``tests/interleave.py``) while the slot is leased again to B: B's lease
+    survives whichever release comes second."""
+    result = explore(
+        RepeatedReleaseVsAcquire, RepeatedReleaseVsAcquire.releaser,
+        RepeatedReleaseVsAcquire.release_then_acquire, RepeatedReleaseVsAcquire.check,
+        block_s=BLOCK_S,
+    )
+    _ran(result, "pool repeated release vs release and acquire")
