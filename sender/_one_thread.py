@@ -47,6 +47,7 @@ class OneThreadCheck:
                 methods). Nothing is recorded then: do not call :meth:`leave`.
         """
         me = threading.current_thread()
+        # mutant-site: enter-with
         with self._lock:
             owner = self._owner
             if owner is None:

@@ -113,6 +113,7 @@ class FanOut:
         self._pass("chunk_ended", session_id, outcome, seconds, nbytes)
 
     def _pass(self, method: str, *args: object) -> None:
+        # mutant-site: pass-count
         with self._lock:
             self._events += 1
         for i, listener in enumerate(self._listeners):

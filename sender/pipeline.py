@@ -269,6 +269,7 @@ class ChunkPipeline:
             if not unit:
                 return []
         skipped = After()
+        # mutant-site: start-with
         with entry.gate.write_untimed():
             registered = rooms.register(handle, entry, unit, skipped)
             ends = self._post_all(unit) if registered else []

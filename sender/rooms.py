@@ -239,6 +239,7 @@ class RoomTable:
         """A write section of ``lock`` (timed unless ``untimed``) whose After is sealed in it
         and published after it (an exception skips both)."""
         after = After()
+        # mutant-site: deciding-with
         with self.lock.write_untimed() if untimed else self.lock.write():
             yield after
             self.seal_locked(after)
@@ -254,6 +255,7 @@ class RoomTable:
     def _emit(self, after: After, *, wait: bool) -> None:
         """Emit ``after`` if sealed and not yet taken on, holding a fresh lock until done;
         ``wait``: else wait for the thread emitting it."""
+        # mutant-site: emit-claim-with
         with self._publish_lock:
             if after not in self._unpublished:
                 return  # emitted meanwhile
@@ -263,6 +265,7 @@ class RoomTable:
                 claim.acquire()  # a fresh lock: never blocks
                 self._unpublished[after] = claim
         if done is not None:
+            # mutant-site: emit-wait-if
             if wait:  # its lock is free once it was emitted
                 with done:
                     pass

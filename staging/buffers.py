@@ -343,6 +343,7 @@ class StagingBufferPool:
     # ------------------------------------------------------------------ internals
 
     def _end_lease(self, slot: StagingSlot, retire: bool) -> bool:
+        # mutant-site: end-lease-with
         with self._lock.write():
             # mutant-site: release
             freed = self._release_unlocked(slot.index, slot.lease, retire=retire)

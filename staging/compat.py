@@ -325,6 +325,7 @@ class _CompatCore(StagingContext):
 
     def pop_item(self, rooms_view: bool) -> Any:
         """Remove and return some element of one view. Raises: KeyError (empty)."""
+        # mutant-site: pop-item-with
         with self._lock.write():
             for item in self._items_locked(rooms_view):
                 self._ops(rooms_view)[1](item)

@@ -376,4 +376,170 @@ if keep is not None:  # MUTANT: what to discard computed from a snapshot before 
         "view's state inside the lock')",
         tests=COMPAT,
     ),
+    Mutant(
+        id="publication-sealed-after-the-lock",
+        file="sender/rooms.py",
+        site="deciding-with",
+        replacement="""\
+with self.lock.write_untimed() if untimed else self.lock.write():
+    yield after
+self.seal_locked(after)  # MUTANT: sealed after ROOM is released
+""",
+        kind="race",
+        description="a deciding section seals its After only after it released ROOM: a reader "
+        "in between sees the room's new status but nothing to publish or await, and returns "
+        "before the listener is told and the log written (violates 'what a locked section "
+        "decides runs ... by the deciding thread or the first reader to see it'); "
+        "test_publication's reader right after a deciding section catches it",
+        tests=("tests/sender/test_publication.py",),
+    ),
+    Mutant(
+        id="publication-claim-in-two-sections",
+        file="sender/rooms.py",
+        site="emit-claim-with",
+        replacement="""\
+with self._publish_lock:  # MUTANT: 'is it taken yet?' in one section ...
+    if after not in self._unpublished:
+        return  # emitted meanwhile
+    done = self._unpublished[after]
+if done is None:
+    claim = threading.Lock()
+    claim.acquire()  # a fresh lock: never blocks
+    with self._publish_lock:  # ... the claim in another: two threads may both emit it
+        self._unpublished[after] = claim
+""",
+        kind="race",
+        description="_emit checks that an After is not taken yet and claims it in two "
+        "_publish_lock sections: the deciding thread and a reader both emit one After, the "
+        "listener hears a chunk end twice (violates 'every chunk end reaches it once ... its "
+        "counts equal stats()'); the DPOR end-vs-stats check of test_dpor_progress catches it",
+        tests=(
+            "tests/sender/test_dpor_progress.py::"
+            "test_every_chunk_end_reaches_the_listener_once_beside_a_reader",
+        ),
+    ),
+    Mutant(
+        id="publication-reader-does-not-wait",
+        file="sender/rooms.py",
+        site="emit-wait-if",
+        replacement="""\
+if wait and not done.locked():  # MUTANT: a reader waits only for a publication made
+    with done:
+        pass
+""",
+        kind="race",
+        description="a reader that finds an After being emitted by another thread returns "
+        "without waiting for it: it answers before the listener call returned (violates "
+        "'handle_status, status, stats, wait_drained run or await it before returning'); "
+        "test_publication's reader awaiting a publication another thread is making catches it",
+        tests=("tests/sender/test_publication.py",),
+    ),
+    Mutant(
+        id="listener-called-under-the-gate",
+        file="sender/pipeline.py",
+        site="start-with",
+        statements=3,
+        replacement="""\
+with entry.gate.write_untimed():
+    registered = rooms.register(handle, entry, unit, skipped)
+    ends = self._post_all(unit) if registered else []
+    if registered:
+        self._posted(unit, ends)  # MUTANT: ends at post (and their listener calls) under the gate
+if not registered:
+    self._return_slots(unit)
+    rooms.publish(skipped)
+    return []
+""",
+        # Sequential, like contract-batched-refusal-logged-under-the-lock: every run calls the
+        # listener under the gate, and its check needs no interleaving (nor threads, inline).
+        kind="sequential",
+        description="a unit's chunks ended at their post are ended (and the listener told) "
+        "while the room's post gate is still held (violates 'a listener is called holding no "
+        "lock of the model or gate'); test_publication's debug-mode held_locks() check inside "
+        "the listener catches it (workers and pool paths)",
+        tests=("tests/sender/test_publication.py",),
+    ),
+    Mutant(
+        id="pool-release-checked-then-freed-apart",
+        file="staging/buffers.py",
+        site="end-lease-with",
+        replacement="""\
+with self._lock.read():  # MUTANT: the lease checked in a read section ...
+    live = self._leases.get(slot.index)
+    held = live is not None and live.lease == slot.lease
+with self._lock.write():  # ... then the index's current lease freed in a second one
+    current = self._leases.get(slot.index)
+    lease = current.lease if held and current is not None else slot.lease
+    freed = self._release_unlocked(slot.index, lease, retire=retire)
+""",
+        kind="race",
+        description="a release checks its lease in a read section and frees the index's "
+        "current lease in a second write section: a repeated release racing another frees "
+        "the slot a new holder leased meanwhile (violates 'a stale or repeated one is a "
+        "no-op, never freeing a slot someone else holds'); test_slot_pool's repeated "
+        "release vs release-and-acquire interleavings catch it",
+        tests=("tests/staging/test_slot_pool.py",),
+    ),
+    Mutant(
+        id="compat-pop-chosen-then-removed-apart",
+        file="staging/compat.py",
+        site="pop-item-with",
+        replacement="""\
+chosen: list[Any] = []
+with self._lock.read():  # MUTANT: the element chosen under a read section ...
+    for item in self._items_locked(rooms_view):
+        chosen.append(item)
+        break
+for item in chosen:
+    self.discard_one(rooms_view, item)  # ... removed in a second one, its result ignored
+    return item
+""",
+        kind="race",
+        description="view.pop() chooses its element under a read section and removes it in a "
+        "second section, ignoring whether it was still there: two poppers of a one-element "
+        "view both get it (violates 'view.pop(): write, atomic'); test_dpor_compat's pop vs "
+        "pop DPOR check catches it",
+        tests=("tests/staging/test_dpor_compat.py",),
+    ),
+    Mutant(
+        id="fanout-count-outside-the-lock",
+        file="sender/events.py",
+        site="pass-count",
+        replacement="""\
+self._events += 1  # MUTANT: counted outside _lock
+""",
+        kind="race",
+        description="FanOut counts an event outside its lock: two threads passing events "
+        "lose a count and stats().events falls behind what the listeners got (violates "
+        "'FanOut's counters: leaf locks held for one update'); test_metrics' bytecode-level "
+        "DPOR check of two events catches it",
+        tests=("tests/sender/test_metrics.py",),
+    ),
+    Mutant(
+        id="one-thread-owner-read-then-set-apart",
+        file="sender/_one_thread.py",
+        site="enter-with",
+        replacement="""\
+with self._lock:  # MUTANT: the owner read in one critical section ...
+    owner = self._owner
+    inside = self._method
+if owner is None:
+    with self._lock:  # ... and set in another
+        self._owner = me
+        self._method = method
+        self._depth = 1
+    return self
+if owner is me:
+    with self._lock:
+        self._depth += 1
+    return self
+""",
+        kind="race",
+        description="debug mode's OneThreadCheck.enter reads the owner in one section and "
+        "sets it in another: two threads both see no owner and are inside one sender's init() "
+        "at once, undetected (violates 'a thread entering one of the five while another is "
+        "inside one gets a ConcurrentSenderUseError'); test_one_thread's init-vs-init check at "
+        "every preemption point catches it",
+        tests=("tests/sender/test_one_thread.py",),
+    ),
 )
