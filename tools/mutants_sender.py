@@ -330,7 +330,10 @@ if not chunk.claim() and not end[2]:  # MUTANT: close() abandons claimed chunks 
         kind="race",
         description="close()'s abandon path ends a chunk another thread already claimed (its "
         "poll saw the end first): the transfer is released twice and the chunk counted twice",
-        tests=(PROPERTIES, *LOAD_DEFECTS, DPOR),
+        tests=(
+            "tests/sender/test_close.py::test_close_never_abandons_a_chunk_another_thread_claimed",
+            PROPERTIES, *LOAD_DEFECTS, DPOR,
+        ),
         stress=SENDER_STRESS,
     ),
     Mutant(

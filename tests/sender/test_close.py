@@ -27,6 +27,7 @@ from tests.sender._listeners import Recorder
 from tests.sender._real_wrappers import HeldTransport
 from tests.sender._scripted import SCRIPTED_SESSION, Rig
 from tests.sender._sessions import A, SessionsRig, one_session_sender
+from tests.sender._stub_transport import BOUND_S, StubTransport, _sender, _stub_manager
 
 
 def _pause_open_room_at_room_lock(
@@ -380,3 +381,76 @@ def test_close_right_after_notices_sends_them_and_prints_nothing() -> None:
     ]  # fmt: skip
     assert native == [], native[:5]
     assert "sent 50 learnt 50" in proc.stdout
+
+
+class _UnknowableTransfer:
+    """A write with no ``settled()``: ``close()`` cannot ask whether NIXL is done with it, so
+    past its wait it abandons it. The moment ``close()`` looks for ``settled`` (it decided the
+    chunk is still in flight), ``probe`` runs once: there another thread claims the chunk.
+    Its first ``release()`` waits for ``go``: the claim's accounting is not done yet."""
+
+    def __init__(self) -> None:
+        self.state = "PROC"
+        self.releases = 0
+        self.probe: Callable[[], None] | None = None
+        self.in_release = threading.Event()
+        self.go = threading.Event()
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        probe, self.probe = self.probe, None
+        if name == "settled" and probe is not None:
+            probe()
+        raise AttributeError(name)
+
+    def poll(self) -> str:
+        return self.state
+
+    def release(self) -> None:
+        with self._lock:
+            self.releases += 1
+            first = self.releases == 1
+        if first:
+            self.in_release.set()
+            self.go.wait(BOUND_S)
+
+
+class _UnknowableTransport(StubTransport):
+    def write_pages(self, *args: Any, **kw: Any) -> Any:
+        self.unknowable = _UnknowableTransfer()
+        return self.unknowable
+
+
+def test_close_never_abandons_a_chunk_another_thread_claimed() -> None:
+    """*Chunks once* / ``close()``: each chunk's end is claimed once, and ``close()`` waits
+    for chunk ends other threads claimed. ``close(timeout_s=0)`` has found a drained write
+    still in flight and is about to abandon it when a poller sees it complete, claims its
+    end and is still releasing it: the chunk is not ended a second time (one release, one
+    end)."""
+    tx = _UnknowableTransport()
+    mgr = _stub_manager(tx)
+    s = _sender(mgr, 7)
+    s.send([0])
+    s.clear()  # in flight: the chunk drains
+    xfer = tx.unknowable
+    poller = threading.Thread(target=mgr.progress, args=(s.handle,), daemon=True)
+
+    def claim_elsewhere() -> None:
+        xfer.state = "DONE"
+        poller.start()
+        assert xfer.in_release.wait(BOUND_S), "the poller never claimed the chunk"
+        threading.Timer(0.3, xfer.go.set).start()  # its release then finishes
+
+    xfer.probe = claim_elsewhere
+    try:
+        mgr.close(timeout_s=0.0)
+    finally:
+        xfer.go.set()
+        if poller.is_alive():
+            poller.join(BOUND_S)
+    assert not poller.is_alive()
+    assert xfer.in_release.is_set(), "close() never asked about settled(): nothing was judged"
+    assert xfer.releases == 1, f"released {xfer.releases} times"
+    st = mgr.stats()
+    ended = st.chunks_done + st.chunks_failed + st.chunks_skipped + st.chunks_drained
+    assert ended == st.chunks_submitted == 1, st
