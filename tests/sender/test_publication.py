@@ -187,6 +187,20 @@ class _HoldAfterSection:
         return self._then_hold(self._lock.write_untimed())
 
 
+def _read_failed(reader: str, mgr: Any, handle: Any) -> None:
+    """One of the readers that run or await a publication, seeing room 7 failed."""
+    from sender.poll import KVPoll
+
+    if reader == "stats":
+        assert mgr.stats().rooms_failed == 1
+    elif reader == "handle_status":
+        assert mgr.handle_status(handle) is KVPoll.Failed
+    elif reader == "status":
+        assert mgr.status(7) is KVPoll.Failed
+    else:
+        assert mgr.wait_drained(handle, timeout_s=HOLD_S)
+
+
 @pytest.mark.parametrize("reader", ["stats", "handle_status", "status", "wait_drained"])
 def test_a_reader_right_after_a_deciding_section_agrees_with_listener_and_log(
     reader: str, caplog: pytest.LogCaptureFixture
@@ -197,7 +211,6 @@ def test_a_reader_right_after_a_deciding_section_agrees_with_listener_and_log(
     failing a room is held the instant its write section released ROOM; a reader that sees
     the room ``Failed`` returns only once the listener was told and the WARNING logged."""
     from sender.errors import KVTransferError
-    from sender.poll import KVPoll
     from tests.sender._listeners import Recorder as Counting
     from tests.sender._stub_transport import StubTransport, _sender, _stub_manager
 
@@ -215,14 +228,7 @@ def test_a_reader_right_after_a_deciding_section_agrees_with_listener_and_log(
     failer.start()
     try:
         assert hold.held.wait(HOLD_S), "the failing thread never left its section"
-        if reader == "stats":
-            assert mgr.stats().rooms_failed == 1
-        elif reader == "handle_status":
-            assert mgr.handle_status(s.handle) is KVPoll.Failed
-        elif reader == "status":
-            assert mgr.status(7) is KVPoll.Failed
-        else:
-            assert mgr.wait_drained(s.handle, timeout_s=HOLD_S)
+        _read_failed(reader, mgr, s.handle)
         told = dict(listener.rooms)
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     finally:
@@ -242,7 +248,6 @@ def test_a_reader_awaits_a_publication_another_thread_is_making(reader: str) -> 
     failing thread is inside the listener, telling the room's failure, when a reader sees
     the room ``Failed``; the reader returns only after that listener call returned."""
     from sender.errors import KVTransferError
-    from sender.poll import KVPoll
     from tests.sender._stub_transport import StubTransport, _sender, _stub_manager
 
     order: list[str] = []
@@ -261,14 +266,7 @@ def test_a_reader_awaits_a_publication_another_thread_is_making(reader: str) -> 
     s = _sender(mgr, 7)
 
     def read() -> None:
-        if reader == "stats":
-            assert mgr.stats().rooms_failed == 1
-        elif reader == "handle_status":
-            assert mgr.handle_status(s.handle) is KVPoll.Failed
-        elif reader == "status":
-            assert mgr.status(7) is KVPoll.Failed
-        else:
-            assert mgr.wait_drained(s.handle, timeout_s=HOLD_S)
+        _read_failed(reader, mgr, s.handle)
         order.append("read")
 
     failer = threading.Thread(
