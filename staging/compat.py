@@ -337,22 +337,11 @@ class _CompatCore(StagingContext):
 
 
 def _frozen(other: object) -> frozenset[Any] | None:
-    """``other`` as a frozenset (one snapshot of a view), or ``None`` if not iterable."""
+    """``other`` as a frozenset (a view iterates one snapshot), or ``None`` if not
+    iterable."""
     if isinstance(other, frozenset):
         return other
-    if isinstance(other, _SetView):
-        return other.snapshot()
-    if isinstance(other, Iterable):
-        return frozenset(other)
-    return None
-
-
-def _all(others: tuple[Iterable[Any], ...]) -> list[Any]:
-    """The elements of several iterables, one snapshot each for a view."""
-    out: list[Any] = []
-    for other in others:
-        out.extend(other.snapshot() if isinstance(other, _SetView) else other)
-    return out
+    return frozenset(other) if isinstance(other, Iterable) else None
 
 
 _BUILTIN_SCALARS: Final = frozenset({int, float, complex, bool, str, bytes, type(None)})
@@ -506,7 +495,7 @@ class _SetView(MutableSet[T], Generic[T]):
         Raises: as :meth:`add`, before any change.
         """
         # view |= view is a no-op, not a re-add of an older snapshot.
-        items = [self._check(x) for x in _all(tuple(o for o in others if o is not self))]
+        items = [self._check(x) for other in others if other is not self for x in other]
         # mutant-site: update
         if items:
             self._core.write_many(self._ROOMS, adds=items)
@@ -519,7 +508,7 @@ class _SetView(MutableSet[T], Generic[T]):
         if any(other is self for other in others):  # view -= view: empty, at one instant
             self._core.write_many(self._ROOMS, keep=frozenset())
             return
-        maybe = (_maybe(self._check, x, sets=False) for x in _all(others))
+        maybe = (_maybe(self._check, x, sets=False) for other in others for x in other)
         items = [item for item in maybe if item is not None]
         if items:
             self._core.write_many(self._ROOMS, discards=items)
@@ -552,7 +541,7 @@ class _SetView(MutableSet[T], Generic[T]):
         if other is self:  # view ^= view: empty, at one instant
             self._core.write_many(self._ROOMS, keep=frozenset())
             return
-        items = list(dict.fromkeys(self._check(x) for x in _all((other,))))
+        items = list(dict.fromkeys(self._check(x) for x in other))
         if items:
             self._core.write_many(self._ROOMS, toggles=items)
 
