@@ -19,7 +19,6 @@ from sender.errors import TransportParamError
 
 __all__ = ["CheckedPages", "as_pages", "scan_pages"]
 
-_INT64 = np.dtype(np.int64)
 _INDEX_LIMIT = 1 << 31
 """NIXL takes page indices as 32-bit ints."""
 _SMALL = 32
@@ -33,8 +32,6 @@ def as_pages(pages: Any, what: str) -> npt.NDArray[np.int64]:
     Raises:
         TransportParamError: Not 1-D, not integers, a bool, or a value beyond int64.
     """
-    if type(pages) is np.ndarray and pages.dtype is _INT64 and pages.ndim == 1:
-        return pages  # the common case: three cheap checks
     if type(pages) is CheckedPages:
         return pages.indices.astype(np.int64)
     if isinstance(pages, np.ndarray):

@@ -227,12 +227,8 @@ def _descs(
     """Nx3 ``(address, length, device)`` rows for NIXL: int64 arithmetic (validated
     indices keep it below 2**63), viewed as uint64."""
     rows = np.empty((starts.shape[0], 3), dtype=np.int64)
-    np.multiply(starts, page_bytes, out=rows[:, 0])
-    rows[:, 0] += base
-    if isinstance(counts, int):
-        rows[:, 1] = counts * page_bytes
-    else:
-        np.multiply(counts, page_bytes, out=rows[:, 1])
+    rows[:, 0] = starts * page_bytes + base
+    rows[:, 1] = counts * page_bytes
     rows[:, 2] = device_id
     return rows.view(np.uint64)
 
@@ -391,8 +387,6 @@ class Transfer:
             check_seconds(timeout_s, "timeout_s", allow_zero=True, allow_inf=True)
         if interval_s is not None:
             check_seconds(interval_s, "interval_s", allow_zero=True)
-        if self._done and not self._released:  # done at the post (the common case)
-            return
         end = None if timeout_s is None else time.monotonic() + float(timeout_s)
         pauses = poll_pauses() if interval_s is None else itertools.repeat(float(interval_s))
         while self.poll() != "DONE":
@@ -437,19 +431,11 @@ class Transfer:
                     ops.releaseXferReq(handle)
                 except Exception as exc:
                     error = exc
-            tx = self._transport
-            with tx._lock:
-                if self in tx._live:
-                    tx._counts["transfers_released"] += 1
-                tx._forget_locked(self)
-                if error is not None and handle is not None:
-                    tx._refused_handles.append(handle)
-                    tx._counts["release_refused"] += 1
-                reap = (self._peer.retired and not self._peer.transfers) or bool(tx._retiring)
+            reap = self._transport._note_released(self, None if error is None else handle)
         if error is not None:
             logger.warning("releasing %r failed (%s); retried at close()", self, error)
         if reap:  # the last kept transfer of a removed peer or retiring region
-            tx._try_reap_retired()
+            self._transport._try_reap_retired()
 
     def _keep_if_unsettled(self, failure: BaseException) -> bool:
         """Keep (``True``, failing it with ``failure`` unless already failed) a transfer NIXL
@@ -949,12 +935,11 @@ class NixlTransport:
                         remote_prepped._handle, dst.astype(np.int32), msg, [], not coalesce,
                     )
                 else:
-                    bindings = _nixl.require()
+                    b = _nixl.require()
+                    seg = {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG}
                     handle = ops.createXferReq(
-                        self._write_op,
-                        bindings.nixlXferDList(_mem_seg(bindings, li.mem_type), src_rows),
-                        bindings.nixlXferDList(_mem_seg(bindings, remote.mem_type), dst_rows),
-                        peer.agent_name, msg, [],
+                        self._write_op, b.nixlXferDList(seg[li.mem_type], src_rows),
+                        b.nixlXferDList(seg[remote.mem_type], dst_rows), peer.agent_name, msg, [],
                     )
                 xfer._handle = handle
                 status = ops.postXferReq(handle, msg)
@@ -1130,6 +1115,18 @@ class NixlTransport:
         self._remote_refs[agent_name] = left
         return False
 
+    def _note_released(self, xfer: Transfer, refused: int | None) -> bool:
+        """Forget a just released ``xfer`` (``refused``: its handle, which NIXL would not
+        release, for close() to retry); whether a retired peer or region may be reaped now."""
+        with self._lock:
+            if xfer in self._live:
+                self._counts["transfers_released"] += 1
+            self._forget_locked(xfer)
+            if refused is not None:
+                self._refused_handles.append(refused)
+                self._counts["release_refused"] += 1
+            return (xfer._peer.retired and not xfer._peer.transfers) or bool(self._retiring)
+
     def _forget_locked(self, xfer: Transfer) -> None:
         self._live.discard(xfer)
         xfer._peer.transfers.discard(xfer)  # the entry it was added to, even if since removed
@@ -1286,10 +1283,6 @@ def _note_disconnect(peer: _Peer, exc: BaseException) -> None:
     cls = getattr(_nixl.bindings, "nixlRemoteDisconnectError", None)
     if cls is not None and isinstance(exc, cls):
         peer.disconnected = True
-
-
-def _mem_seg(bindings: Any, mem_type: str) -> Any:
-    return bindings.DRAM_SEG if mem_type == "DRAM" else bindings.VRAM_SEG
 
 
 AGENT_ATTEMPTS = 3
