@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import heapq
 import itertools
 import logging
@@ -77,13 +76,8 @@ _Tracked = tuple[float, int, float, Chunk]
 """``(due, seq, posted_at, chunk)``: a polled chunk (``seq`` breaks ties)."""
 
 
-class _Idle:
-    """What :meth:`ChunkPipeline._next_unit` returns when no unit came."""
-
-
-_IDLE = _Idle()
-
-_debug_enabled = functools.partial(logger.isEnabledFor, logging.DEBUG)
+_IDLE: list[Chunk] = []
+"""What :meth:`ChunkPipeline._next_unit` returns when no unit came (never changed)."""
 
 _End = tuple[Chunk, BaseException | None, bool, bool]
 """``(chunk, exc, abandoned, already_failed)``: one chunk to end."""
@@ -473,7 +467,7 @@ class ChunkPipeline:
 
     def _posted(self, chunks: Sequence[Chunk], ends: Sequence[_End]) -> None:
         """After a unit's gate: DEBUG lines for its posts, then end the chunks ended at once."""
-        if _debug_enabled():
+        if logger.isEnabledFor(logging.DEBUG):
             for chunk in chunks:
                 if chunk.transfer is not None:
                     logger.debug(
@@ -481,8 +475,7 @@ class ChunkPipeline:
                         chunk.handle.room, chunk.handle.generation, chunk.chunk_idx,
                         chunk.session_id, chunk.num_pages,
                     )
-        if ends:
-            self.end_many(ends)
+        self.end_many(ends)
 
     def _write(self, chunk: Chunk) -> TransferLike:
         handle = chunk.handle
@@ -537,8 +530,7 @@ class ChunkPipeline:
         """Poll each chunk once and end those that ended; the chunks still to poll."""
         ends: list[_End] = []
         still = [chunk for chunk in chunks if self._poll_into(chunk, ends)]
-        if ends:
-            self._end_many(ends)
+        self._end_many(ends)
         return still
 
     def _poll_into(self, chunk: Chunk, ends: list[_End]) -> bool:
@@ -589,7 +581,7 @@ class ChunkPipeline:
             claimed.append(end)
         if claimed:
             after = self.rooms.account_ends(claimed, self._nbytes, self._fatal)
-            if _debug_enabled():
+            if logger.isEnabledFor(logging.DEBUG):
                 for chunk, outcome, abandoned, _ in claimed:
                     logger.debug(
                         "room %d gen %d chunk %d -> %r ended: %s",
@@ -648,6 +640,7 @@ class ChunkPipeline:
         """See :meth:`sender.manager.KVManager.wait_drained` (``timeout_s`` checked)."""
         rooms = self.rooms
         deadline = time.monotonic() + timeout_s
+        expired = False
         while True:
             self.maybe_sweep()
             with rooms.lock.read():
@@ -656,19 +649,15 @@ class ChunkPipeline:
                 # mutant-site: wait-drained
                 left = rooms.lingering_locked(handle)
             rooms.await_published(unpublished)  # the ends it saw are logged and told first
-            if not left:
-                return True
+            if not left or expired:  # past the deadline: checked once more after a poll
+                return not left
             try:
                 self.poll_all(pending)
             except BaseException:  # a release error: the chunk ended; keep waiting
                 rooms.unaccounted_errors += 1
-            if time.monotonic() >= deadline:
-                with rooms.lock.read():
-                    nothing_left = rooms.lingering_locked(handle) == 0
-                    unpublished = rooms.pending_locked()
-                rooms.await_published(unpublished)
-                return nothing_left
-            time.sleep(0.0002)
+            expired = time.monotonic() >= deadline
+            if not expired:
+                time.sleep(0.0002)
 
     def abandon_draining(self) -> int:
         """``close()`` past its wait: poll the draining chunks once; how many are still in
@@ -767,7 +756,7 @@ class ChunkPipeline:
             wait = min(wait, max(0.0, next_due - time.monotonic()))
         return wait
 
-    def _next_unit(self, pause_s: float) -> list[Chunk] | _Idle | None:
+    def _next_unit(self, pause_s: float) -> list[Chunk] | None:
         """The next queued unit, waiting at most ``pause_s`` (``0``: check and yield)."""
         try:
             if pause_s > 0:
@@ -790,7 +779,7 @@ class ChunkPipeline:
             try:
                 if self._parked:  # older than the new unit
                     self._retry_parked()
-                if not isinstance(unit, _Idle):
+                if unit is not _IDLE:
                     pending = (
                         self._run_unit(unit)
                         if self.pool is None
@@ -802,7 +791,7 @@ class ChunkPipeline:
                 if self._tracked:
                     self._poll_pass()
             except BaseException as exc:  # a worker never dies: the room fails instead
-                if not isinstance(unit, _Idle):
+                if unit is not _IDLE:
                     self.rooms.internal_error(unit[0], exc, chunk_ends=False)
                 else:
                     self.rooms.unaccounted_errors += 1

@@ -47,11 +47,6 @@ COUNTERS = (
 )
 """The room table's counters (``ManagerStats`` fields of the same names)."""
 
-# Hot-path aliases (a global look-up is cheaper than an Enum member's).
-_FAILED = KVPoll.Failed
-_SUCCESS = KVPoll.Success
-_TRANSFERRING = KVPoll.Transferring
-
 MAX_ROOMS_LOGGED = 64
 """A session failed as a whole is logged once, naming at most this many of its rooms."""
 
@@ -80,10 +75,9 @@ class After:
 
     def run(self, events: ManagerEvents | None) -> None:
         """Emit the events and log lines (never raises: a listener error is logged)."""
-        if self.logs:
-            for level, msg, args in self.logs:
-                logger.log(level, msg, *args)
-        if events is None or not (self.concluded or self.ended):
+        for level, msg, args in self.logs:
+            logger.log(level, msg, *args)
+        if events is None:
             return
         try:
             for rec in self.concluded:
@@ -319,7 +313,7 @@ class RoomTable:
         """``entry`` is still ``handle``'s open, unfailed entry. Caller holds ``lock``."""
         return (
             self.live_locked(handle, count=count) is entry
-            and self.request_status.get(handle.room) is not _FAILED
+            and self.request_status.get(handle.room) is not KVPoll.Failed
         )
 
     def tables_locked(self) -> tuple[tuple[str, dict[int, Any]], ...]:
@@ -347,11 +341,7 @@ class RoomTable:
 
     def draining_of_locked(self, handle: RoomHandle | None) -> list[Chunk]:
         """The opening's draining chunks (all with ``None``). Caller holds ``lock``."""
-        if handle is None:
-            return list(self.draining.values())
-        if not self.draining_by_handle.get(handle):
-            return []
-        return [c for c in self.draining.values() if c.handle == handle]
+        return [c for c in self.draining.values() if handle is None or c.handle == handle]
 
     # ------------------------------------------------------------------ status helpers
 
@@ -363,8 +353,8 @@ class RoomTable:
         """Caller holds ``lock`` (write)."""
         if entry.last_chunk_seen and entry.jobs_done == entry.jobs_total:
             room = entry.handle.room
-            self.set_status_locked(room, _SUCCESS)
-            if not entry.concluded and self.request_status[room] is _SUCCESS:
+            self.set_status_locked(room, KVPoll.Success)
+            if not entry.concluded and self.request_status[room] is KVPoll.Success:
                 entry.concluded = True
                 entry.succeeded = True
                 self.counts["rooms_succeeded"] += 1
@@ -390,7 +380,7 @@ class RoomTable:
         if entry is None:
             return False
         room = handle.room
-        first = self.request_status.get(room) is not _FAILED
+        first = self.request_status.get(room) is not KVPoll.Failed
         if exc is not None and room not in self.exceptions:
             where = f"room {room} generation {handle.generation}"
             if session_id is not None:
@@ -399,7 +389,7 @@ class RoomTable:
                 where += f", chunk {chunk_idx}"
             _note(exc, f"nixl-staging: {where}")
             self.exceptions[room] = exc
-        self.set_status_locked(room, _FAILED)
+        self.set_status_locked(room, KVPoll.Failed)
         with self.failure_lock.write():
             self.failure_records.setdefault(room, reason)
         # mutant-site: fail-locked
@@ -568,7 +558,7 @@ class RoomTable:
                 self._told_locked(entry, after, "cleared", "cleared")
             # None for a room that succeeded, then failed (docs/PROTOCOL.md).
             if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
-                failed = status is _FAILED
+                failed = status is KVPoll.Failed
                 notice = RoomNotice(
                     room, entry.handle.generation, "failed" if failed else "cleared",
                     (entry.failure_code or code_for(record, exception)) if failed else "cleared",
@@ -667,11 +657,6 @@ class RoomTable:
             chunks: list[Chunk] = []
             ids = self._chunk_ids
             for info in infos.values():  # nothing changes until every info passed
-                if info.dst_pages.size < end:  # add_info refuses these; be sure
-                    raise ValueError(
-                        f"session {info.session_id!r} has {info.dst_pages.size} destination "
-                        f"pages; chunk ends at page {end}"
-                    )
                 # Pages in the decode prefix are already at the peer.
                 skip = min(max(info.decode_prefix_len - start, 0), n)
                 sends = skip < n
@@ -700,8 +685,8 @@ class RoomTable:
             entry.jobs_total += len(chunks)
             entry.last_chunk_seen = entry.last_chunk_seen or is_last
             self.counts["chunks_submitted"] += len(chunks)
-            if self.request_status.get(handle.room) is not _TRANSFERRING:
-                self.set_status_locked(handle.room, _TRANSFERRING)
+            if self.request_status.get(handle.room) is not KVPoll.Transferring:
+                self.set_status_locked(handle.room, KVPoll.Transferring)
             if is_last and not chunks:
                 after = After()
                 self.maybe_succeed_locked(entry, after)
@@ -857,8 +842,7 @@ class RoomTable:
                 released = isinstance(exc, TransferReleasedError)
                 if chunk.transfer is not None:  # its write was posted, whatever its end
                     counts["bytes_posted"] += nbytes(chunk)
-                if self.hung:
-                    self.hung.pop(chunk_id, None)
+                self.hung.pop(chunk_id, None)
                 drained = bool(self.draining) and self.draining.pop(chunk_id, None) is not None
                 left = 0
                 if drained:
