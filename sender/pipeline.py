@@ -258,10 +258,8 @@ class ChunkPipeline:
             self._return_slots(unit)
             rooms.skip(unit)
             return []
-        if self.pool is not None:
-            unit = self._stage(entry, unit)
-            if not unit:
-                return []
+        if self.pool is not None and not self._stage(entry, unit[0]):  # a pool's unit: 1 chunk
+            return []
         skipped = After()
         # mutant-site: start-with
         with entry.gate.write_untimed():
@@ -274,36 +272,35 @@ class ChunkPipeline:
         self._posted(unit, ends)
         return [c for c in unit if not c.ended]
 
-    def _stage(self, entry: RoomEntry, unit: list[Chunk]) -> list[Chunk]:
-        """Lease a slot per chunk and gather into it; the chunks ready to post."""
+    def _stage(self, entry: RoomEntry, chunk: Chunk) -> bool:
+        """Lease a slot for ``chunk`` and gather into it; whether it is ready to post."""
         pool = self.pool
         assert pool is not None
         rooms = self.rooms
-        handle = entry.handle
-        ready = [c for c in unit if not c.num_pages]  # nothing to stage
-        prefetched = rooms.note_prefetched(unit)
-        if len(prefetched) + len(ready) < len(unit):  # their room is gone: they were skipped
-            ids = {c.chunk_id for c in prefetched}
-            self._return_slots([c for c in unit if c.num_pages and c.chunk_id not in ids])
-        for chunk in prefetched:
+        if not rooms.note_prefetched(chunk):  # its room is gone: it was skipped
+            self._return_slots([chunk])
+            return False
+        if not chunk.num_pages:  # nothing to stage
+            return True
+        try:
             try:
-                try:
-                    # A worker leased it already (_run_pool_unit); inline, wait here.
-                    if chunk.slot is None:
-                        chunk.slot = self._wait_for_slot(chunk)
-                except (PoolExhaustedError, PoolClosedError) as exc:
-                    rooms.slot_failed(chunk, exc)
-                    continue
-                if not rooms.still_postable(handle, entry):  # the wait may have been long
-                    self._return_slots([chunk])
-                    rooms.skip([chunk])
-                    continue
-                pool.gather(chunk.slot, self.kv_pool, chunk.src_pages, chunk.byte_range)
-                ready.append(chunk)
-            except BaseException as exc:
+                # A worker leased it already (_run_pool_unit); inline, wait here.
+                if chunk.slot is None:
+                    chunk.slot = self._wait_for_slot(chunk)
+            except (PoolExhaustedError, PoolClosedError) as exc:
+                rooms.slot_failed(chunk, exc)
+                return False
+            if not rooms.still_postable(entry.handle, entry):  # the wait may have been long
                 self._return_slots([chunk])
-                rooms.internal_error(chunk, exc, chunk_ends=True)
-        return ready
+                rooms.skip([chunk])
+                return False
+            pages = np.asarray(chunk.src_checked, dtype=np.int64)  # a writable copy for torch
+            pool.gather(chunk.slot, self.kv_pool, pages, chunk.byte_range)
+            return True
+        except BaseException as exc:
+            self._return_slots([chunk])
+            rooms.internal_error(chunk, exc, chunk_ends=True)
+            return False
 
     def _wait_for_slot(self, chunk: Chunk) -> StagingSlot:
         """Inline: lease a slot under the session's cap, ending slot holders while waiting.
@@ -480,13 +477,12 @@ class ChunkPipeline:
     def _write(self, chunk: Chunk) -> TransferLike:
         handle = chunk.handle
         notif = f"room={handle.room};chunk={chunk.chunk_idx};last={int(chunk.is_last)}".encode()
+        src, dst = chunk.src_checked, chunk.dst_checked
+        assert src is not None and dst is not None  # it has pages (_post_all)
+        region = self.kv_region
         if chunk.slot is not None:
-            src: PageIndices = CheckedPages.span(chunk.slot.first_page, chunk.num_pages)
+            src = CheckedPages.span(chunk.slot.first_page, chunk.num_pages)
             region = self.staging_region
-        else:
-            src = chunk.src_checked if chunk.src_checked is not None else chunk.src_pages
-            region = self.kv_region
-        dst: Any = chunk.dst_checked if chunk.dst_checked is not None else chunk.dst_pages
         return self.transport.write_pages(
             chunk.session_id, src, dst, notif, src_region=region, dst_region=chunk.dst_region,
             timeout_s=self.transfer_timeout_s,

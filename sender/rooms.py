@@ -666,19 +666,14 @@ class RoomTable:
                         f"session {info.session_id!r}; a staging slot holds "
                         f"{self.pool.slot_pages}"
                     )
-                dst = info.dst_checked
-                src = None
-                if sends and src_checked is not None:
-                    src = src_checked[skip:] if skip else src_checked
+                src = dst = None
+                # Both checked when it sends: kv_indices and the session's pages are not empty.
+                if sends and src_checked is not None and info.dst_checked is not None:
+                    src, dst = src_checked[skip:], info.dst_checked[start + skip : end]
                 chunks.append(
                     Chunk(
-                        handle, chunk_idx, info.session_id,
-                        kv_indices[skip:] if skip else kv_indices,
-                        info.dst_pages[start + skip : end] if dst is None else None,
-                        info.byte_range, info.dst_region, is_last, next(ids),
-                        src,
-                        dst[start + skip : end] if sends and dst is not None else None,
-                        now,
+                        handle, chunk_idx, info.session_id, src, dst, info.byte_range,
+                        info.dst_region, is_last, next(ids), now,
                     )
                 )
             entry.chunk_idxs.add(chunk_idx)
@@ -722,31 +717,25 @@ class RoomTable:
         with self.lock.read():
             return self.postable_locked(handle, entry)
 
-    def note_prefetched(self, chunks: Sequence[Chunk]) -> list[Chunk]:
-        """Record the prefetch key of each chunk with pages and count the chunks on the room;
-        mark it prefetched once all are in. Returns the chunks whose key was recorded (other
-        chunks with pages are counted skipped: their room is gone)."""
-        if not chunks:
-            return []
-        handle = chunks[0].handle
-        staged = [c for c in chunks if c.num_pages]
-        unstaged = len(chunks) - len(staged)
-        kept = [
-            c for c in staged if self.staging.request_prefetch(c.handle, c.chunk_idx, c.session_id)
-        ]
+    def note_prefetched(self, chunk: Chunk) -> bool:
+        """Record ``chunk``'s prefetch key if it has pages and count it on its room; mark the
+        room prefetched once all its chunks are in. ``False``: its key was not recorded (its
+        room is gone: the chunk is counted skipped)."""
+        staged = chunk.num_pages > 0
+        kept = not staged or self.staging.request_prefetch(
+            chunk.handle, chunk.chunk_idx, chunk.session_id
+        )
         complete = False
         with self.deciding(untimed=False) as after:
-            entry = self.live_locked(handle, count=bool(kept))
-            if entry is None:
-                kept = []
-            else:
-                entry.prefetch_requests += len(kept) + unstaged
+            entry = self.live_locked(chunk.handle, count=staged and kept)
+            if entry is not None and kept:
+                entry.prefetch_requests += 1
                 complete = entry.last_chunk_seen and entry.prefetch_requests == entry.jobs_total
-            if len(kept) != len(staged):
-                ids = {c.chunk_id for c in kept}
-                self.skipped_locked([c for c in staged if c.chunk_id not in ids], after)
+            elif staged:
+                kept = False
+                self.skipped_locked((chunk,), after)
         if complete:
-            self.staging.mark_prefetched(handle)
+            self.staging.mark_prefetched(chunk.handle)
         return kept
 
     def skipped_locked(self, chunks: Sequence[Chunk], after: After) -> None:
