@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -167,8 +167,13 @@ class ChunkPipeline:
         # read without it (a stale read delays a sweep by one call).
         self._sweep_claim = threading.Lock()
         self._sweep_due = 0.0
-        # The worker queue: units of chunks; None = stop.
+        # The worker queue: units of chunks; None = stop. _enqueue: how submit queues (None:
+        # inline), a send's chunks as one unit, or one unit per chunk with a pool.
         self._queue: queue.SimpleQueue[list[Chunk] | None] = queue.SimpleQueue()
+        self._enqueue: Callable[[list[Chunk]], None] | None = (
+            None if not num_workers else self._queue.put if staging_pool is None
+            else self._enqueue_each
+        )
         self._stopped = False
         # _tracked: heap of posted chunks by due time; guarded by _tracked_lock (a leaf lock
         # outside the model). _pass_claim: one worker at a time polls them.
@@ -203,20 +208,15 @@ class ChunkPipeline:
             if src_checked is None or src_checked.max_page >= self._num_pages:
                 raise ValueError(_out_of_range(kv_indices, self._num_pages))
         rooms = self.rooms
-        if self.workers:
-            enqueue = self._queue.put if self.pool is None else self._enqueue_each
+        if self.workers or self.pool is not None:
             # mutant-site: submit-set-chunks
             chunks = rooms.begin_chunk(
-                handle, chunk_idx, start, kv_indices, src_checked, is_last, enqueue=enqueue
+                handle, chunk_idx, start, kv_indices, src_checked, is_last, enqueue=self._enqueue
             )
+            if chunks is not None and not self.workers:  # inline with a pool: one by one
+                for chunk in chunks:
+                    self._run_unit([chunk])
             return 0 if chunks is None else len(chunks)
-        if self.pool is not None:
-            chunks = rooms.begin_chunk(handle, chunk_idx, start, kv_indices, src_checked, is_last)
-            if chunks is None:
-                return 0
-            for chunk in chunks:
-                self._run_unit([chunk])
-            return len(chunks)
         # Inline, no pool: one gate section checks, makes, registers and posts every chunk.
         entry = rooms.peek(handle)
         if entry is None:

@@ -640,8 +640,7 @@ class RoomTable:
         n = int(kv_indices.shape[0])
         end = start + n
         now = time.monotonic() if self.events is not None else 0.0
-        after: After | None = None
-        with self.lock.write():
+        with self.deciding(untimed=False) as after:
             entry = entry_expected or self.live_locked(handle)
             if entry is None or not self.postable_locked(handle, entry):
                 return None
@@ -655,7 +654,6 @@ class RoomTable:
                     f"chunk ends at page {end}, past num_kv_indices={entry.num_kv_indices}"
                 )
             chunks: list[Chunk] = []
-            ids = self._chunk_ids
             for info in infos.values():  # nothing changes until every info passed
                 # Pages in the decode prefix are already at the peer.
                 skip = min(max(info.decode_prefix_len - start, 0), n)
@@ -673,27 +671,21 @@ class RoomTable:
                 chunks.append(
                     Chunk(
                         handle, chunk_idx, info.session_id, src, dst, info.byte_range,
-                        info.dst_region, is_last, next(ids), now,
+                        info.dst_region, is_last, next(self._chunk_ids), now,
                     )
                 )
             entry.chunk_idxs.add(chunk_idx)
             entry.jobs_total += len(chunks)
             entry.last_chunk_seen = entry.last_chunk_seen or is_last
             self.counts["chunks_submitted"] += len(chunks)
-            if self.request_status.get(handle.room) is not KVPoll.Transferring:
-                self.set_status_locked(handle.room, KVPoll.Transferring)
+            self.set_status_locked(handle.room, KVPoll.Transferring)
             if is_last and not chunks:
-                after = After()
                 self.maybe_succeed_locked(entry, after)
             if entry_expected is not None:
                 for chunk in chunks:
                     entry.inflight[chunk.chunk_id] = chunk
             elif enqueue is not None:
                 enqueue(chunks)
-            if after is not None:
-                self.seal_locked(after)
-        if after is not None:
-            self.publish(after)
         return chunks
 
     def register(
