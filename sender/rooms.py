@@ -812,9 +812,8 @@ class RoomTable:
         already_failed)``, in one write section: unregister, count, advance or fail the
         room, release a held notice, fail fatal sessions. Returns the sealed After."""
         after = After()
-        fatal_ends: list[tuple[str, BaseException]] | None = None
+        fatal_ends: list[tuple[str, BaseException]] = []
         now = time.monotonic()
-        events = self.events is not None
         with self.lock.write_untimed():
             counts = self.counts
             for chunk, exc, abandoned, already_failed in ends:
@@ -856,7 +855,7 @@ class RoomTable:
                 else:
                     counts["chunks_failed"] += 1
                     outcome = "failed"
-                if events:
+                if self.events is not None:
                     after.ended.append(
                         (chunk.session_id, outcome, now - chunk.made_at, nbytes(chunk))
                     )
@@ -887,14 +886,12 @@ class RoomTable:
                     chunk_idx=chunk.chunk_idx,
                 )
                 if fatal(exc):
-                    fatal_ends = fatal_ends or []
                     fatal_ends.append((chunk.session_id, exc))
             # In this section: a reader sees the room and its session failed together.
-            if fatal_ends is not None:
-                for session_id, fatal_exc in fatal_ends:
-                    self.fail_session_locked(
-                        session_id, f"{type(fatal_exc).__name__}: {fatal_exc}", after
-                    )
+            for session_id, fatal_exc in fatal_ends:
+                self.fail_session_locked(
+                    session_id, f"{type(fatal_exc).__name__}: {fatal_exc}", after
+                )
             self.seal_locked(after)
         return after
 
