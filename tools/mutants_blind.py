@@ -115,7 +115,11 @@ if room not in self.rooms:  # another purge won
 chunks = rooms.begin_chunk(
     handle, chunk_idx, start, kv_indices, src_checked, is_last, enqueue=None
 )
-return 0 if not chunks else (enqueue(chunks), len(chunks))[1]
+if chunks and self._enqueue is not None:
+    self._enqueue(chunks)  # MUTANT: queued after the lock
+if chunks is not None and not self.workers:
+    for chunk in chunks:
+        self._run_unit([chunk])
 """,
         kind="race",
         description=(
@@ -244,7 +248,7 @@ with entry.gate.write_untimed(), self.lock.write_untimed():
         self._told_locked(entry, after, "cleared", "cleared")
     # None for a room that succeeded, then failed (docs/PROTOCOL.md).
     if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
-        failed = status is _FAILED
+        failed = status is KVPoll.Failed
         notice = RoomNotice(
             room, entry.handle.generation, "failed" if failed else "cleared",
             (entry.failure_code or code_for(record, exception)) if failed else "cleared",

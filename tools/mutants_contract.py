@@ -174,7 +174,7 @@ with entry.gate.write_untimed(), self.lock.write_untimed():
         self._told_locked(entry, after, "cleared", "cleared")
     # None for a room that succeeded, then failed (docs/PROTOCOL.md).
     if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
-        failed = status is _FAILED
+        failed = status is KVPoll.Failed
         notice = RoomNotice(
             room, entry.handle.generation, "failed" if failed else "cleared",
             (entry.failure_code or code_for(record, exception)) if failed else "cleared",
@@ -269,7 +269,7 @@ with entry.gate.write_untimed(), self.lock.write_untimed():
         self._told_locked(entry, after, "cleared", "cleared")
     # None for a room that succeeded, then failed (docs/PROTOCOL.md).
     if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
-        failed = status is _FAILED
+        failed = status is KVPoll.Failed
         notice = RoomNotice(
             room, entry.handle.generation, "failed" if failed else "cleared",
             (entry.failure_code or code_for(record, exception)) if failed else "cleared",

@@ -99,7 +99,7 @@ with self.lock.write_untimed():  # MUTANT: purge does not wait for a post
         self._told_locked(entry, after, "cleared", "cleared")
     # None for a room that succeeded, then failed (docs/PROTOCOL.md).
     if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
-        failed = status is _FAILED
+        failed = status is KVPoll.Failed
         notice = RoomNotice(
             room, entry.handle.generation, "failed" if failed else "cleared",
             (entry.failure_code or code_for(record, exception)) if failed else "cleared",
@@ -258,7 +258,7 @@ with entry.gate.write_untimed(), self.lock.write_untimed():  # MUTANT: 2nd one
         self._told_locked(entry, after, "cleared", "cleared")
     # None for a room that succeeded, then failed (docs/PROTOCOL.md).
     if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
-        failed = status is _FAILED
+        failed = status is KVPoll.Failed
         notice = RoomNotice(
             room, entry.handle.generation, "failed" if failed else "cleared",
             (entry.failure_code or code_for(record, exception)) if failed else "cleared",
@@ -390,7 +390,7 @@ return min(values), max(values), False  # MUTANT: short lists never repeat
         file=PIPELINE,
         site="worker-main-call-maybe-sweep",
         replacement="""\
-if isinstance(unit, _Idle) and pause >= HUNG_SWEEP_S:  # MUTANT: idle only
+if unit is _IDLE and pause >= HUNG_SWEEP_S:  # MUTANT: idle only
     self.maybe_sweep()
 """,
         kind="race",
