@@ -513,19 +513,20 @@ class RoomTable:
     def purge(self, room: int, generation: int | None) -> ManagerPurge:
         """See ``KVManager.purge_room``: under the post gate, one untimed write section.
         Never raises for a state reason."""
+        # mutant-site: purge-peek
         with self.lock.read():
             entry = self.rooms.get(room)
         # mutant-site: purge-if-1
         if entry is None or (generation is not None and entry.handle.generation != generation):
             return ManagerPurge(room, False, None, (), None)
         after = After()
-        # mutant-site: purge-with
-        with entry.gate.write_untimed(), self.lock.write_untimed():
+        gate = entry.gate  # mutant-site: purge-gate
+        with gate.write_untimed(), self.lock.write_untimed():
             # mutant-site: purge-if-2
             if self.rooms.get(room) is not entry:  # another purge won
                 return ManagerPurge(room, False, None, (), None)
-            del self.rooms[room]
-            status = self.request_status.get(room)
+            del self.rooms[room]  # mutant-site: purge-close
+            status = self.request_status.get(room)  # mutant-site: purge-status
             exception = self.exceptions.get(room)
             tables: list[str] = []
             for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
@@ -545,7 +546,7 @@ class RoomTable:
             if draining:
                 self.draining_by_handle[entry.handle] = draining
             entry.inflight.clear()
-            self.counts["purges"] += 1
+            self.counts["purges"] += 1  # mutant-site: purge-count
             if not is_concluded(status):
                 self.counts["rooms_cleared"] += 1
                 entry.concluded = True
@@ -563,12 +564,13 @@ class RoomTable:
                     room, entry.handle.generation, "failed" if failed else "cleared",
                     (entry.failure_code or code_for(record, exception)) if failed else "cleared",
                 )
+                # mutant-site: purge-hold
                 if draining:
                     self.notifier.hold(entry.handle, notice, entry.sessions)
                 else:
                     self.notifier.enqueue(notice, entry.sessions)
             self.seal_locked(after)
-        self.publish(after)
+        self.publish(after)  # mutant-site: purge-publish
         return ManagerPurge(room, True, status, tuple(tables), staged, exception, record, draining)
 
     def fail_session(self, session_id: str, reason: str) -> frozenset[int]:

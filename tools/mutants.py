@@ -150,8 +150,10 @@ def site_problem(mutant: Mutant, root: Path) -> str | None:
     path = root / mutant.file
     if not path.is_file():
         return f"{mutant.file}: no such file"
+    text = path.read_text(encoding="utf-8")
     try:
-        locate(path.read_text(encoding="utf-8"), mutant.site, mutant.statements)
+        for site, _, statements in mutant.edits:
+            locate(text, site, statements)
     except SiteError as exc:
         return f"{mutant.file}: {exc}"
     return None
@@ -169,7 +171,9 @@ def apply(mutant: Mutant, root: Path) -> None:
     if problem is not None:
         raise StaleMutantError(f"mutant {mutant.id}: {problem}: update the tag or the mutant")
     original = path.read_text(encoding="utf-8")
-    text = mutate(original, mutant.site, mutant.replacement, mutant.statements)
+    text = original
+    for site, replacement, statements in mutant.edits:
+        text = mutate(text, site, replacement, statements)
     if text == original:
         raise StaleMutantError(f"mutant {mutant.id}: its replacement is its site's code (no-op)")
     try:
@@ -433,7 +437,8 @@ def list_table(mutants: Sequence[Mutant]) -> str:
     for m in mutants:
         lines.append(f"{m.id:40s} {m.kind:10s} {m.file:22s} {m.description}")
         count = f" ({m.statements} statements)" if m.statements > 1 else ""
-        lines.append(f"{'':74s}site: {m.site}{count}")
+        more = "".join(f", {site}" for site, _ in m.also)
+        lines.append(f"{'':74s}site: {m.site}{count}{more}")
         lines.append(
             f"{'':74s}runs: {' '.join(m.tests)}" + "".join(f" stress:{s}" for s in m.stress)
         )

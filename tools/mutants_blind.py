@@ -203,62 +203,23 @@ settle_until = min(deadline, time.monotonic() + _CLAIMED_END_GRACE_S)
     Mutant(
         id="blind-notice-hold-stale",
         file="sender/rooms.py",
-        site="purge-if-1",
-        statements=3,
+        site="purge-peek",
         replacement="""\
-    busy = entry is not None and bool(entry.inflight)
-if entry is None or (generation is not None and entry.handle.generation != generation):
-    return ManagerPurge(room, False, None, (), None)
-after = After()
-with entry.gate.write_untimed(), self.lock.write_untimed():
-    if self.rooms.get(room) is not entry:  # another purge won
-        return ManagerPurge(room, False, None, (), None)
-    del self.rooms[room]
-    status = self.request_status.get(room)
-    exception = self.exceptions.get(room)
-    tables: list[str] = []
-    for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
-        if table.pop(room, None) is not None:
-            tables.append(name)
-    staged = self.staging.purge_room(entry.handle)
-    # Staging slots are not returned here: every slot of this opening is held by a
-    # thread (gathering into it, or under a posted chunk), and that thread returns it
-    # when it skips the chunk or when the chunk ends. Returning it now would let
-    # another room lease and overwrite a slot that a transfer still reads from.
-    with self.failure_lock.write():
-        record = self.failure_records.pop(room, None)
-        if record is not None:
-            tables.append("failure_records")
-    for chunk_id, chunk in entry.inflight.items():
-        self.draining[chunk_id] = chunk
-    draining = len(entry.inflight)
-    if draining:
-        self.draining_by_handle[entry.handle] = draining
-    entry.inflight.clear()
-    self.counts["purges"] += 1
-    if not is_concluded(status):
-        self.counts["rooms_cleared"] += 1
-        entry.concluded = True
-        after.log(
-            logging.INFO,
-            "room %d generation %d cleared before it concluded (status %s, "
-            "%d chunks draining)",
-            room, entry.handle.generation, getattr(status, "name", status), draining,
-        )
-        self._told_locked(entry, after, "cleared", "cleared")
-    # None for a room that succeeded, then failed (docs/PROTOCOL.md).
-    if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
-        failed = status is KVPoll.Failed
-        notice = RoomNotice(
-            room, entry.handle.generation, "failed" if failed else "cleared",
-            (entry.failure_code or code_for(record, exception)) if failed else "cleared",
-        )
-        if busy:
-            self.notifier.hold(entry.handle, notice, entry.sessions)
-        else:
-            self.notifier.enqueue(notice, entry.sessions)
-    self.seal_locked(after)
+with self.lock.read():
+    entry = self.rooms.get(room)
+    busy = entry is not None and bool(entry.inflight)  # MUTANT: in flight before the gate
 """,
+        also=(
+            (
+                "purge-hold",
+                """\
+if busy:
+    self.notifier.hold(entry.handle, notice, entry.sessions)
+else:
+    self.notifier.enqueue(notice, entry.sessions)
+""",
+            ),
+        ),
         kind="race",
         description=(
             "purge decides hold-vs-queue from entry.inflight read under the read lock BEFORE "

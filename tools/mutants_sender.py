@@ -59,56 +59,9 @@ if True:  # MUTANT: liveness checked only before the slot wait
     Mutant(
         id="d1-purge-without-gate",
         file=ROOMS,
-        site="purge-with",
+        site="purge-gate",
         replacement="""\
-with self.lock.write_untimed():  # MUTANT: purge does not wait for a post
-    if self.rooms.get(room) is not entry:  # another purge won
-        return ManagerPurge(room, False, None, (), None)
-    del self.rooms[room]
-    status = self.request_status.get(room)
-    exception = self.exceptions.get(room)
-    tables: list[str] = []
-    for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
-        if table.pop(room, None) is not None:
-            tables.append(name)
-    staged = self.staging.purge_room(entry.handle)
-    # Staging slots are not returned here: every slot of this opening is held by a
-    # thread (gathering into it, or under a posted chunk), and that thread returns it
-    # when it skips the chunk or when the chunk ends. Returning it now would let
-    # another room lease and overwrite a slot that a transfer still reads from.
-    with self.failure_lock.write():
-        record = self.failure_records.pop(room, None)
-        if record is not None:
-            tables.append("failure_records")
-    for chunk_id, chunk in entry.inflight.items():
-        self.draining[chunk_id] = chunk
-    draining = len(entry.inflight)
-    if draining:
-        self.draining_by_handle[entry.handle] = draining
-    entry.inflight.clear()
-    self.counts["purges"] += 1
-    if not is_concluded(status):
-        self.counts["rooms_cleared"] += 1
-        entry.concluded = True
-        after.log(
-            logging.INFO,
-            "room %d generation %d cleared before it concluded (status %s, "
-            "%d chunks draining)",
-            room, entry.handle.generation, getattr(status, "name", status), draining,
-        )
-        self._told_locked(entry, after, "cleared", "cleared")
-    # None for a room that succeeded, then failed (docs/PROTOCOL.md).
-    if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
-        failed = status is KVPoll.Failed
-        notice = RoomNotice(
-            room, entry.handle.generation, "failed" if failed else "cleared",
-            (entry.failure_code or code_for(record, exception)) if failed else "cleared",
-        )
-        if draining:
-            self.notifier.hold(entry.handle, notice, entry.sessions)
-        else:
-            self.notifier.enqueue(notice, entry.sessions)
-    self.seal_locked(after)
+gate = PlainGate()  # MUTANT: a fresh gate for each purge: purge waits for no post
 """,
         kind="race",
         description="defect 1 (fence half): purge_room does not take the room's post gate, so "
@@ -216,59 +169,16 @@ short = False and (  # MUTANT: an info after init() is not checked
     Mutant(
         id="manager-purge-two-critical-sections",
         file=ROOMS,
-        site="purge-with",
+        site="purge-if-1",
         replacement="""\
-with entry.gate.write_untimed():
-    with self.lock.write_untimed():
-        if self.rooms.get(room) is not entry:  # another purge won
-            return ManagerPurge(room, False, None, (), None)
-        del self.rooms[room]
-with entry.gate.write_untimed(), self.lock.write_untimed():  # MUTANT: 2nd one
-    status = self.request_status.get(room)
-    exception = self.exceptions.get(room)
-    tables: list[str] = []
-    for name, table in self.tables_locked():  # a plain loop: DPOR traces it precisely
-        if table.pop(room, None) is not None:
-            tables.append(name)
-    staged = self.staging.purge_room(entry.handle)
-    # Staging slots are not returned here: every slot of this opening is held by a
-    # thread (gathering into it, or under a posted chunk), and that thread returns it
-    # when it skips the chunk or when the chunk ends. Returning it now would let
-    # another room lease and overwrite a slot that a transfer still reads from.
-    with self.failure_lock.write():
-        record = self.failure_records.pop(room, None)
-        if record is not None:
-            tables.append("failure_records")
-    for chunk_id, chunk in entry.inflight.items():
-        self.draining[chunk_id] = chunk
-    draining = len(entry.inflight)
-    if draining:
-        self.draining_by_handle[entry.handle] = draining
-    entry.inflight.clear()
-    self.counts["purges"] += 1
-    if not is_concluded(status):
-        self.counts["rooms_cleared"] += 1
-        entry.concluded = True
-        after.log(
-            logging.INFO,
-            "room %d generation %d cleared before it concluded (status %s, "
-            "%d chunks draining)",
-            room, entry.handle.generation, getattr(status, "name", status), draining,
-        )
-        self._told_locked(entry, after, "cleared", "cleared")
-    # None for a room that succeeded, then failed (docs/PROTOCOL.md).
-    if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
-        failed = status is KVPoll.Failed
-        notice = RoomNotice(
-            room, entry.handle.generation, "failed" if failed else "cleared",
-            (entry.failure_code or code_for(record, exception)) if failed else "cleared",
-        )
-        if draining:
-            self.notifier.hold(entry.handle, notice, entry.sessions)
-        else:
-            self.notifier.enqueue(notice, entry.sessions)
-    self.seal_locked(after)
+if entry is None or (generation is not None and entry.handle.generation != generation):
+    return ManagerPurge(room, False, None, (), None)
+with entry.gate.write_untimed(), self.lock.write_untimed():  # MUTANT: a first section
+    if self.rooms.get(room) is not entry:  # closes the room; the tables go in a second
+        return ManagerPurge(room, False, None, (), None)
+    del self.rooms[room]
 """,
+        also=(("purge-if-2", ""), ("purge-close", "")),
         kind="race",
         description="KVManager.purge_room in two critical sections: an observer sees the room "
         "closed while its status, exception and staging keys are still there",

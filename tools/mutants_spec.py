@@ -14,7 +14,8 @@ break (same indentation; or at the end of the statement's first line), then add
 is the whole new code of the site (any indentation: it is dedented, then indented to the
 site's; empty: the site is deleted); ``statements=N`` makes the site N consecutive sibling
 statements. A block statement (``with``, ``if``, ``for``, ``try``) is one statement with its
-whole body.
+whole body. A bug that needs two edits (a value read early, used later) names its further
+sites in ``also``: ``(site, replacement)`` pairs of one statement each, in the same file.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Mutant:
         tests: pytest arguments (files or node ids) of the fast targeted tests to run.
         stress: stress scenarios to run as ``python -m stress --quick SCENARIO``.
         statements: how many consecutive sibling statements, from the tagged one, the site is.
+        also: further ``(site, replacement)`` pairs in ``file``, one statement each, applied
+            after the first.
 
     Raises:
         ValueError: an empty field, a site name that is not kebab-case, an unknown kind,
@@ -68,18 +71,26 @@ class Mutant:
     tests: tuple[str, ...]
     stress: tuple[str, ...] = field(default=())
     statements: int = 1
+    also: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.id or not self.id.replace("-", "").isalnum():
             raise ValueError(f"mutant id {self.id!r}: use letters, digits and '-'")
         if self.kind not in KINDS:
             raise ValueError(f"mutant {self.id}: kind {self.kind!r} not in {KINDS}")
-        if not NAME_RE.match(self.site):
-            raise ValueError(f"mutant {self.id}: site {self.site!r}: use kebab-case")
+        for site, _, _ in self.edits:
+            if not NAME_RE.match(site):
+                raise ValueError(f"mutant {self.id}: site {site!r}: use kebab-case")
         if self.statements < 1:
             raise ValueError(f"mutant {self.id}: statements={self.statements} (at least 1)")
         if not self.description or not (self.tests or self.stress):
             raise ValueError(f"mutant {self.id}: needs a description and something to run")
+
+    @property
+    def edits(self) -> tuple[tuple[str, str, int], ...]:
+        """Every ``(site, replacement, statements)`` it makes, in order."""
+        also = tuple((site, code, 1) for site, code in self.also)
+        return ((self.site, self.replacement, self.statements), *also)
 
     @property
     def module(self) -> str:

@@ -9,6 +9,7 @@ apply function itself is tested on small temporary files.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -117,6 +118,19 @@ def test_apply_two_statements_and_a_deletion(tmp_path: Path) -> None:
     assert "pop()" not in out and "count = len" not in out
     out = _apply(tmp_path, _mutant("take-pop", "", statements=2))
     assert "        # mutant-site: take-pop\n        return item" in out
+
+
+def test_a_mutant_with_further_sites_makes_every_edit(tmp_path: Path) -> None:
+    """``also``: a value read at one site and used at another, one mutant."""
+    mutant = dataclasses.replace(
+        _mutant("put-lock", "self.items.append(item)\nsize = len(self.items)\n"),
+        also=(("take-empty", "if len(self.items) < 0:\n    pass\n"),),
+    )
+    out = _apply(tmp_path, mutant)
+    assert "with self.lock" not in out and "LookupError" not in out
+    assert "        if len(self.items) < 0:\n            pass\n" in out
+    missing = dataclasses.replace(mutant, also=(("no-such-site", "pass\n"),))
+    assert "no-such-site" in str(mutants.site_problem(missing, tmp_path))
 
 
 def test_a_changed_site_line_still_applies(tmp_path: Path) -> None:

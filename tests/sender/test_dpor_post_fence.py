@@ -153,6 +153,8 @@ def _no_send(session_id: str, message: bytes) -> None:
 
 def _check_notices(mgr: KVManager) -> _CheckingNotifier:
     notifier = _CheckingNotifier(mgr.rooms)
+    # Not vacuous: a disabled notifier would skip every notice, and no early one be seen.
+    assert notifier.enabled, "the checking notifier must be enabled"
     mgr.notifier = mgr.rooms.notifier = notifier
     return notifier
 
