@@ -115,11 +115,7 @@ if room not in self.rooms:  # another purge won
 chunks = rooms.begin_chunk(
     handle, chunk_idx, start, kv_indices, src_checked, is_last, enqueue=None
 )
-if chunks and self._enqueue is not None:
-    self._enqueue(chunks)  # MUTANT: queued after the lock
-if chunks is not None and not self.workers:
-    for chunk in chunks:
-        self._run_unit([chunk])
+return 0 if not chunks else (enqueue(chunks), len(chunks))[1]
 """,
         kind="race",
         description=(

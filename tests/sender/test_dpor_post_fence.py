@@ -52,7 +52,6 @@ from sender.errors import KVTransferError
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.notifier import Notifier
-from sender.pages import CheckedPages
 from sender.poll import KVPoll
 from staging import StagingContext
 from staging.context import RoomHandle
@@ -90,8 +89,7 @@ def _park(mgr: KVManager, handle: Any, pages: Any) -> list[Chunk]:
     counted by the room table) but hand it to us instead of a worker queue, so that a thread
     of the exploration starts it exactly as a transfer worker does."""
     units: list[list[Chunk]] = []
-    checked = CheckedPages(pages, unique=False)
-    chunks = mgr.rooms.begin_chunk(handle, 0, 0, pages, checked, True, enqueue=units.append)
+    chunks = mgr.rooms.begin_chunk(handle, 0, 0, pages, None, True, enqueue=units.append)
     assert chunks is not None and units == [chunks]
     return chunks
 
@@ -316,9 +314,8 @@ def _ungated_submit(mgr: KVManager) -> Callable[..., int]:
         entry = rooms.peek(handle)
         if entry is None:
             return 0
-        checked = CheckedPages(kv_indices, unique=False) if len(kv_indices) else None
         chunks = rooms.begin_chunk(
-            handle, chunk_idx, start, kv_indices, checked, is_last, entry_expected=entry
+            handle, chunk_idx, start, kv_indices, None, is_last, entry_expected=entry
         )
         if not chunks:
             return 0
