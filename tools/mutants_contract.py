@@ -203,15 +203,20 @@ with self._lock.write():
     if self._strict:
         self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
     for item in discards:
-        changed += discard(item)
+        discard(item)
     if keep is not None:
         for item in list(self._items_locked(rooms_view)):
             if item not in keep:
-                changed += discard(item)
-    for item in adds:
-        changed += add(item, to_log)
-    for item in toggles:
-        changed += discard(item) or add(item, to_log)
+                discard(item)
+    for flip, items in ((False, adds), (True, toggles)):
+        for item in items:
+            if flip and discard(item):
+                continue
+            done = add(item)
+            if done is True:
+                added += 1
+            elif done is _Refusal.LOG:
+                to_log.append(item if rooms_view else item[0])
     _log_refusals(to_log, self._tombstone_capacity)  # MUTANT: logged under the lock
 """,
         kind="sequential",
@@ -238,15 +243,20 @@ with self._lock.write():
     if self._strict:
         self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
     for item in discards:
-        changed += discard(item)
+        discard(item)
     if keep is not None:
         for item in before:  # what to discard was decided before the lock
             if item not in keep:
-                changed += discard(item)
-    for item in adds:
-        changed += add(item, to_log)
-    for item in toggles:
-        changed += discard(item) or add(item, to_log)
+                discard(item)
+    for flip, items in ((False, adds), (True, toggles)):
+        for item in items:
+            if flip and discard(item):
+                continue
+            done = add(item)
+            if done is True:
+                added += 1
+            elif done is _Refusal.LOG:
+                to_log.append(item if rooms_view else item[0])
 """,
         kind="race",
         description="the compat core decides what &= / intersection_update discards from the "
@@ -387,7 +397,7 @@ with self._lock.read():  # MUTANT: the element chosen under a read section ...
         chosen.append(item)
         break
 for item in chosen:
-    self.write_many(rooms_view, discards=(item,))  # ... removed in a second one
+    self.discard_one(rooms_view, item)  # ... removed in a second one, its result ignored
     return item
 """,
         kind="race",
