@@ -163,8 +163,9 @@ def apply(mutant: Mutant, root: Path) -> None:
     """Apply ``mutant`` to the copy at ``root``.
 
     Raises:
-        StaleMutantError: its site tag is not found exactly once or is not at a statement,
-            the replacement is the site's code, or the mutated file does not parse.
+        StaleMutantError: a site tag is not found exactly once or is not at a statement (also
+            after the edits before it), the replacement is the site's code, or the mutated
+            file does not parse.
     """
     path = root / mutant.file
     problem = site_problem(mutant, root)
@@ -172,8 +173,11 @@ def apply(mutant: Mutant, root: Path) -> None:
         raise StaleMutantError(f"mutant {mutant.id}: {problem}: update the tag or the mutant")
     original = path.read_text(encoding="utf-8")
     text = original
-    for site, replacement, statements in mutant.edits:
-        text = mutate(text, site, replacement, statements)
+    try:
+        for site, replacement, statements in mutant.edits:
+            text = mutate(text, site, replacement, statements)
+    except SiteError as exc:  # a later site inside an earlier edit's statements
+        raise StaleMutantError(f"mutant {mutant.id}: {mutant.file}: {exc}") from exc
     if text == original:
         raise StaleMutantError(f"mutant {mutant.id}: its replacement is its site's code (no-op)")
     try:

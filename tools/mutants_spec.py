@@ -58,8 +58,8 @@ class Mutant:
             after the first.
 
     Raises:
-        ValueError: an empty field, a site name that is not kebab-case, an unknown kind,
-            fewer than one statement, or nothing to run.
+        ValueError: an empty field, a site name that is not kebab-case or named twice, an
+            unknown kind, fewer than one statement, or nothing to run.
     """
 
     id: str
@@ -78,9 +78,12 @@ class Mutant:
             raise ValueError(f"mutant id {self.id!r}: use letters, digits and '-'")
         if self.kind not in KINDS:
             raise ValueError(f"mutant {self.id}: kind {self.kind!r} not in {KINDS}")
-        for site, _, _ in self.edits:
+        sites = [site for site, _, _ in self.edits]
+        for site in sites:
             if not NAME_RE.match(site):
                 raise ValueError(f"mutant {self.id}: site {site!r}: use kebab-case")
+        if len(set(sites)) != len(sites):
+            raise ValueError(f"mutant {self.id}: a site named twice in {sites}")
         if self.statements < 1:
             raise ValueError(f"mutant {self.id}: statements={self.statements} (at least 1)")
         if not self.description or not (self.tests or self.stress):

@@ -85,9 +85,13 @@ def _mutant(site: str, replacement: str, statements: int = 1) -> Mutant:
     )
 
 
-def _apply(tmp_path: Path, mutant: Mutant, source: str = SOURCE) -> str:
+def _write(tmp_path: Path, source: str) -> Path:
     (tmp_path / "box.py").write_text(source, encoding="utf-8")
-    mutants.apply(mutant, tmp_path)
+    return tmp_path
+
+
+def _apply(tmp_path: Path, mutant: Mutant, source: str = SOURCE) -> str:
+    mutants.apply(mutant, _write(tmp_path, source))
     return (tmp_path / "box.py").read_text(encoding="utf-8")
 
 
@@ -131,6 +135,22 @@ def test_a_mutant_with_further_sites_makes_every_edit(tmp_path: Path) -> None:
     assert "        if len(self.items) < 0:\n            pass\n" in out
     missing = dataclasses.replace(mutant, also=(("no-such-site", "pass\n"),))
     assert "no-such-site" in str(mutants.site_problem(missing, tmp_path))
+
+
+def test_a_site_inside_an_earlier_edit_or_named_twice_is_refused(tmp_path: Path) -> None:
+    """Sites are found in the unchanged file but edited in order: a site that an earlier
+    edit removed is stale, not a crash; a site named twice is refused when declared."""
+    nested = SOURCE.replace(
+        "self.items.append(item)\n", "self.items.append(item)  # mutant-site: put-append\n"
+    )
+    mutant = dataclasses.replace(
+        _mutant("put-lock", "pass\n"), also=(("put-append", "self.items.clear()\n"),)
+    )
+    assert mutants.site_problem(mutant, _write(tmp_path, nested)) is None
+    with pytest.raises(mutants.StaleMutantError, match="put-append"):
+        mutants.apply(mutant, tmp_path)
+    with pytest.raises(ValueError, match="named twice"):
+        dataclasses.replace(mutant, also=(("put-lock", "pass\n"),))
 
 
 def test_a_changed_site_line_still_applies(tmp_path: Path) -> None:
