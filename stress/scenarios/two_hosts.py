@@ -1104,7 +1104,7 @@ class _Child:
         # Bounded by the watchdog's period, not a fixed second: traffic is flowing, so a
         # loaded machine only makes the wait longer.
         busy = self._wait_busy(rig, track, self.monitor.watchdog_s / 2)
-        fault_at = self._inject(rig, kind)
+        fault_at, fault_on = self._inject(rig, kind)
         # Only now may a failure evict the peer: a room that failed (its deadline missed on
         # a loaded machine) while the partition was being made evicted it before the fault,
         # and then no room was in flight at the fault ('evict: evicted -18.6 ms after it').
@@ -1161,6 +1161,7 @@ class _Child:
             evicted_at[0] if evicted_at else None,
             recovery,
             self._dead_at if kind in ("kill", "restart") else None,
+            fault_on=fault_on,
         )
         self._next_manager(rig)
         after = {r.name: r.violations for r in self.monitor.reports()}
@@ -1206,14 +1207,22 @@ class _Child:
             time.sleep(0.0005)
         return True
 
-    def _inject(self, rig: NetnsRig, kind: str) -> float:
+    def _inject(self, rig: NetnsRig, kind: str) -> tuple[float, float]:
+        """Strike: ``(began, on)``, when the fault began (the signal sent, the link's cut
+        begun) and when it was surely on (the call returned). Making a partition (an ``ip``
+        process, then the wait for the carrier) took over a transfer deadline on a loaded
+        machine. Rooms in flight are judged from ``began`` (timed after the call, the chunks
+        it caught had hung and failed their session before "the fault", and the rooms parked
+        behind their slots failed of their own); rooms opened after it from ``on`` (one
+        opened during the call may still succeed)."""
         peer = rig.peers[SESSION]
-        if kind == "stop":
-            peer.stop()
-            return time.monotonic()
-        if kind in ("partition", "evict"):
-            self.link.partition()
-            return time.monotonic()
+        if kind in ("stop", "partition", "evict"):
+            began = time.monotonic()
+            if kind == "stop":
+                peer.stop()  # returns once the process is stopped
+            else:
+                self.link.partition()  # returns once the carrier is down
+            return began, time.monotonic()
         if kind == "kill":
             # The fault is the signal, not the end of the reap: rooms whose bytes were all
             # through may conclude (Success) while kill() waits for the process to go, and
@@ -1223,7 +1232,7 @@ class _Child:
             peer.kill()
             self._dead_at = time.monotonic()
             rig.audit.peer_reset(SESSION, self._dead_at)
-            return signalled_at
+            return signalled_at, signalled_at
         # restart: the old process goes away (SIGTERM: it closes its agent) and a new one
         # comes up; then the session, same id, is pointed at the new metadata.
         at = time.monotonic()
@@ -1235,7 +1244,7 @@ class _Child:
             peer.restart()  # a new process
             rig.tx.remove_peer(SESSION)
             self._add_peer(rig, peer.metadata)
-        return at
+        return at, at
 
     def _repair(self, rig: NetnsRig, kind: str) -> float:
         peer = rig.peers[SESSION]
@@ -1392,6 +1401,8 @@ class _Child:
         evicted_at: float | None,
         recovery: Sequence[RoomOutcome],
         dead_at: float | None = None,
+        *,
+        fault_on: float | None = None,
     ) -> dict[str, JSONValue]:
         hung = kind in ("stop", "partition", "evict")
         goal = TRANSFER_TIMEOUT_S + HUNG_GOAL_SLACK_S if hung else KILL_GOAL_S
@@ -1407,7 +1418,8 @@ class _Child:
             id(o): o.concluded_at if (at := sender_at[id(o)]) is None else at for o in window
         }
         in_flight = [o for o in window if o.started_at < fault_at < ended[id(o)]]
-        after = [o for o in window if o.started_at >= fault_at]
+        # Opened while the fault was being made (fault_on: surely on): neither.
+        after = [o for o in window if o.started_at >= (fault_at if fault_on is None else fault_on)]
         failed_at = [ended[id(o)] - fault_at for o in in_flight if o.status is KVPoll.Failed]
         detected = min(
             (

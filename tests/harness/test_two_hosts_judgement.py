@@ -14,7 +14,8 @@ Sequential: no interleaving is involved.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, ClassVar
 
 import pytest
 
@@ -193,3 +194,43 @@ def test_slow_nixl_calls_are_noted_and_named_in_their_window() -> None:
     assert [c[2] for c in slow] == ["postXferReq"] and slow[0][1] - slow[0][0] >= 0.08
     assert "postXferReq" in calls.describe(before, after)
     assert calls.during(after + 1, after + 2) == []
+
+
+class _SlowFault:
+    """A link and a peer whose fault calls take ``took_s`` (a loaded machine: the ``ip``
+    process and the carrier wait, the SIGSTOP and the wait for the stopped state)."""
+
+    took_s = 0.05
+
+    def __init__(self) -> None:
+        self.began: list[float] = []
+
+    def _slowly(self) -> None:
+        self.began.append(time.monotonic())
+        time.sleep(self.took_s)
+
+    partition = stop = _slowly
+
+
+@pytest.mark.parametrize("kind", ["stop", "partition", "evict"])
+def test_a_fault_is_timed_when_it_began_not_when_its_call_returned(kind: str) -> None:
+    """A partition that took over 0.5 s to make under load caught chunks that hung and failed
+    their session before a fault time taken after the call, and the rooms parked behind
+    their slots (``SlotsHeldByHungError``) were judged in flight at the fault and failing of
+    their own chunk (``fault-to-failed``; 'evict: 12 of the 12 rooms ... codes
+    ['internal'] ... the last 9 ms after the fault')."""
+    from stress.scenarios.two_hosts import SESSION, _Child
+
+    fault = _SlowFault()
+
+    class _Rig:
+        peers: ClassVar[dict[str, _SlowFault]] = {SESSION: fault}
+
+    child: Any = _Child.__new__(_Child)
+    child.link = fault
+    began, on = child._inject(_Rig(), kind)
+    assert len(fault.began) == 1
+    assert began <= fault.began[0], (
+        f"the fault was timed {(began - fault.began[0]) * 1e3:.0f} ms after it began"
+    )
+    assert on >= fault.began[0] + fault.took_s, "the fault was 'surely on' before its call returned"
