@@ -20,7 +20,7 @@
    to the holder first (``staging.locks.HANDOFF_YIELDS``, shipped) and blocking at once (as
    before): rounds, the median ratio to the reference, the contended share and voluntary
    context switches. A *convoy* -- every acquisition a hand-off through the kernel, see
-   ``staging.locks._LockBase._wait`` -- shows as a round with hundreds of
+   ``staging.locks.StagingLock._wait`` -- shows as a round with hundreds of
    contended acquisitions and context switches.
 
 The ablation patches ``staging.context``'s validators, one context's ``_lock`` and (view 5)

@@ -70,11 +70,7 @@ class RoomHandle(_RoomHandleFields):
 
     def __new__(cls, room: int, generation: int) -> RoomHandle:
         # Normalised to exact ints: a handle is hashed and compared under locks.
-        if type(room) is not int or not 0 <= room < MAX_ID:
-            room = check_room_id(room)
-        if type(generation) is not int or generation < 0:
-            generation = check_index(generation, "generation")
-        return super().__new__(cls, room, generation)
+        return super().__new__(cls, check_room_id(room), check_index(generation, "generation"))
 
 
 class RoomPurge(NamedTuple):

@@ -88,7 +88,7 @@ _get_ident = threading.get_ident
 
 HANDOFF_YIELDS: int = 3 if getattr(sys, "_is_gil_enabled", lambda: True)() else 0
 """How many times a contended acquisition hands the GIL over (``time.sleep(0)``) and tries
-again before it blocks on the lock (see ``_LockBase._wait``). Without a GIL
+again before it blocks on the lock (see ``StagingLock._wait``). Without a GIL
 (free-threaded CPython) the holder runs on its own core: then 0, block at once."""
 
 
@@ -117,46 +117,9 @@ class _Acquirable(Protocol):
     def release(self) -> None: ...
 
 
-class StagingLock(Protocol):
-    """The interface every lock of the model offers."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def level(self) -> int: ...
-
-    @property
-    def kind(self) -> LockKind: ...
-
-    @property
-    def debug(self) -> bool: ...
-
-    def read(self) -> _Guard:
-        """Context manager holding the lock in shared (read) mode."""
-
-    def write(self) -> _Guard:
-        """Context manager holding the lock in exclusive (write) mode."""
-
-    def acquire_write(self) -> None:
-        """``write()`` without a context manager: pair it with :meth:`release_write`."""
-
-    def acquire_write_untimed(self) -> None:
-        """``write_untimed()`` without a context manager: pair it with :meth:`release_write`."""
-
-    def release_write(self) -> None:
-        """Release what :meth:`acquire_write` or :meth:`acquire_write_untimed` took."""
-
-    def assert_held(self, mode: LockMode) -> None:
-        """Raise :class:`LockNotHeldError` unless the calling thread holds the lock in ``mode``."""
-
-    def stats(self) -> LockStats:
-        """A frozen snapshot of the counters."""
-
-
 class _Held(threading.local):
     def __init__(self) -> None:
-        self.locks: list[tuple[_LockBase, LockMode]] = []
+        self.locks: list[tuple[StagingLock, LockMode]] = []
 
 
 # Per thread: (lock, mode) of each lock it holds; maintained only by locks in debug mode.
@@ -175,7 +138,7 @@ class _Guard:
     __slots__ = ("_inner", "_lock", "_mode", "_untimed")
 
     def __init__(
-        self, lock: _LockBase, inner: _Acquirable, mode: LockMode, *, untimed: bool = False
+        self, lock: StagingLock, inner: _Acquirable, mode: LockMode, *, untimed: bool = False
     ) -> None:
         self._lock = lock
         self._inner = inner
@@ -189,8 +152,9 @@ class _Guard:
         self._lock._release(self._inner, self._mode)
 
 
-class _LockBase:
-    """Shared acquire/release logic: timeouts, counters, debug tracking."""
+class StagingLock:
+    """The interface of every lock of the model (:class:`RWLock`, :class:`MutexLock`) and
+    their shared logic: timeouts, counters, debug tracking."""
 
     kind: LockKind
     _exclusive_only: bool
@@ -221,6 +185,10 @@ class _LockBase:
         # Written only by the holder, after acquiring and before releasing (_acquire,
         # _release): guarded by the lock itself.
         self._owner: int | None = None
+        # The inner lock of the acquisition made by acquire_write* (not MutexLock's, which
+        # overrides the pair): guarded by the write side itself (only its holder stores or
+        # reads it).
+        self._writer: _Acquirable | None = None
         # Counters. _writes, and _reads of an exclusive-only lock, are guarded by the lock
         # itself (only the exclusive holder increments them); _reads of a shared-mode lock,
         # _contended and _timeouts are guarded by _stats_lock.
@@ -325,6 +293,51 @@ class _LockBase:
             raise LockNotHeldError(f"{self._name!r} is not held for {mode} by this thread")
         self._give(inner, mode)
 
+    # -- the guards and the acquire_write/release_write pair (MutexLock overrides them with
+    # one reused guard per mode and inlined steps: its writers are StagingContext's hot path)
+
+    def _inner(self, mode: LockMode) -> _Acquirable:
+        """The inner lock that one acquisition in ``mode`` takes."""
+        raise NotImplementedError
+
+    def read(self) -> _Guard:
+        """Hold in shared mode. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        return _Guard(self, self._inner("read"), "read")
+
+    def write(self) -> _Guard:
+        """Hold exclusively. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        # mutant-site: write
+        return _Guard(self, self._inner("write"), "write")
+
+    def write_untimed(self) -> _Guard:
+        """Hold exclusively, ignoring ``timeout`` (waits as long as it takes).
+        Raises: LockReentryError, LockOrderError (debug mode)."""
+        return _Guard(self, self._inner("write"), "write", untimed=True)
+
+    def acquire_write(self) -> None:
+        """As ``write().__enter__()``; release with :meth:`release_write`.
+        Raises: LockTimeoutError, LockReentryError, LockOrderError."""
+        self._acquire_writer(False)
+
+    def acquire_write_untimed(self) -> None:
+        """As ``write_untimed().__enter__()``; release with :meth:`release_write`.
+        Raises: LockReentryError, LockOrderError (debug mode)."""
+        self._acquire_writer(True)
+
+    def _acquire_writer(self, untimed: bool) -> None:
+        writer = self._inner("write")
+        self._acquire(writer, "write", untimed)
+        self._writer = writer
+
+    def release_write(self) -> None:
+        """Release the write side taken by :meth:`acquire_write`/:meth:`acquire_write_untimed`.
+        Raises: LockNotHeldError: the calling thread does not hold it that way."""
+        writer = self._writer
+        if writer is None or self._owner != _get_ident():
+            raise LockNotHeldError(f"{self._name!r} is not held for write by this thread")
+        self._writer = None
+        self._release(writer, "write")
+
     # -- inspection --------------------------------------------------------------------
 
     def assert_held(self, mode: LockMode) -> None:
@@ -357,7 +370,7 @@ class _LockBase:
             )
 
 
-class RWLock(_LockBase):
+class RWLock(StagingLock):
     """Readers-writer lock over ``readerwriterlock.RWLockFair``.
 
     Thread-safety: all methods are thread-safe. ``read()`` admits many concurrent holders,
@@ -372,9 +385,9 @@ class RWLock(_LockBase):
     ) -> None:
         super().__init__(name, level, timeout=timeout, debug=debug)
         self._rw = rwlock.RWLockFair(lock_factory=_new_thread_lock)
-        # The generated writer of the acquisition made by acquire_write*: guarded by the
-        # write side itself (only its holder stores or reads it).
-        self._writer: _Acquirable | None = None
+
+    def _inner(self, mode: LockMode) -> _Acquirable:
+        return self._rw.gen_rlock() if mode == "read" else self._rw.gen_wlock()
 
     def _held_by_anyone(self) -> bool:
         probe = self._rw.gen_wlock()
@@ -383,46 +396,8 @@ class RWLock(_LockBase):
             return False
         return True
 
-    def read(self) -> _Guard:
-        """Hold in shared mode. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
-        return _Guard(self, self._rw.gen_rlock(), "read")
 
-    def write(self) -> _Guard:
-        """Hold exclusively. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
-        # mutant-site: write
-        return _Guard(self, self._rw.gen_wlock(), "write")
-
-    def write_untimed(self) -> _Guard:
-        """Hold exclusively, ignoring ``timeout`` (waits as long as it takes).
-        Raises: LockReentryError, LockOrderError (debug mode)."""
-        return _Guard(self, self._rw.gen_wlock(), "write", untimed=True)
-
-    def acquire_write(self) -> None:
-        """As ``write().__enter__()``; release with :meth:`release_write`.
-        Raises: LockTimeoutError, LockReentryError, LockOrderError."""
-        self._acquire_writer(False)
-
-    def acquire_write_untimed(self) -> None:
-        """As ``write_untimed().__enter__()``; release with :meth:`release_write`.
-        Raises: LockReentryError, LockOrderError (debug mode)."""
-        self._acquire_writer(True)
-
-    def _acquire_writer(self, untimed: bool) -> None:
-        writer = self._rw.gen_wlock()
-        self._acquire(writer, "write", untimed)
-        self._writer = writer
-
-    def release_write(self) -> None:
-        """Release the write side taken by :meth:`acquire_write`/:meth:`acquire_write_untimed`.
-        Raises: LockNotHeldError: the calling thread does not hold it that way."""
-        writer = self._writer
-        if writer is None or self._owner != _get_ident():
-            raise LockNotHeldError(f"{self._name!r} is not held for write by this thread")
-        self._writer = None
-        self._release(writer, "write")
-
-
-class MutexLock(_LockBase):
+class MutexLock(StagingLock):
     """One ``threading.Lock`` serving both modes (readers exclude each other).
 
     Thread-safety: all methods are thread-safe. Not reentrant.
@@ -487,12 +462,9 @@ class MutexLock(_LockBase):
         return self._read_guard
 
     def write(self) -> _Guard:
-        """Hold exclusively. Raises: LockTimeoutError, LockReentryError, LockOrderError."""
         return self._write_guard
 
     def write_untimed(self) -> _Guard:
-        """Hold exclusively, ignoring ``timeout`` (waits as long as it takes).
-        Raises: LockReentryError, LockOrderError (debug mode)."""
         return self._untimed_guard
 
 

@@ -56,13 +56,9 @@ def check_indices(values: object, what: str, *, bounded: bool = False) -> tuple[
             raise TypeError(
                 f"{what} must be an iterable of ints, got {type(values).__name__}"
             ) from None
-    limit = MAX_ID if bounded else math.inf
     check = check_id if bounded else check_index
     out: list[int] = []
     for position, item in enumerate(items):
-        if type(item) is int and 0 <= item < limit:
-            out.append(item)
-            continue
         try:
             out.append(check(item, what))
         except (TypeError, ValueError) as exc:
@@ -80,8 +76,6 @@ def check_seconds(
         ValueError: NaN; negative, or zero unless ``allow_zero``; infinite unless
             ``allow_inf``; an ``int`` too large for a float.
     """
-    if type(value) is float and 0.0 < value < math.inf:  # the common case, valid in every mode
-        return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{what} must be a number of seconds, got {value!r}")
     try:
@@ -109,8 +103,6 @@ def check_id(value: object, what: str, *, bools: bool = False) -> int:
         TypeError: as :func:`check_index`.
         ValueError: negative, or not below ``2**63``.
     """
-    if type(value) is int and 0 <= value < MAX_ID:  # the common case, checked first
-        return value
     plain = check_index(value, what, bools=bools)
     if plain >= MAX_ID:
         # Named by its size past a few hundred bits: str() of a huge int itself raises.

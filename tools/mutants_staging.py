@@ -154,7 +154,7 @@ return True  # MUTANT: a mark on a closed room (or stale handle) reports success
         file="staging/locks.py",
         site="write",
         replacement="""\
-return _Guard(self, self._rw.gen_rlock(), "write")  # MUTANT: writers share the lock
+return _Guard(self, self._inner("read"), "write")  # MUTANT: writers share the lock
 """,
         kind="race",
         description="RWLock.write() takes the shared (read) side: writers and readers of an "
