@@ -14,7 +14,6 @@ See docs/THREADING.md, '``CompatStagingContext`` and its views', and docs/ADOPTI
 
 from __future__ import annotations
 
-import enum
 import logging
 import operator
 from collections import OrderedDict
@@ -33,7 +32,7 @@ from staging.context import (
     next_generation,
 )
 from staging.locks import LockStats, MutexLock, RWLock
-from staging.validate import MAX_ID, check_id, check_session_id
+from staging.validate import check_id, check_room_id, check_session_id
 
 __all__ = [
     "DEFAULT_TOMBSTONES",
@@ -79,36 +78,6 @@ class CompatStats:
 # Element checks run before any lock: __index__ / str.__str__ of a subclass may be user code.
 
 
-def _room_id(value: object, bools: bool = False) -> int:
-    """A room id (lenient). Raises: TypeError, ValueError."""
-    return check_id(value, "room", bools=bools)
-
-
-def _key(value: object, bools: bool = False) -> PrefetchKey:
-    """A ``(room, chunk_idx, session_id)`` key (lenient). Raises: TypeError, ValueError."""
-    if type(value) is tuple and len(value) == 3:
-        room, chunk_idx, session_id = value
-        if (  # the hot path
-            type(room) is int
-            and type(chunk_idx) is int
-            and type(session_id) is str
-            and 0 <= room < MAX_ID
-            and 0 <= chunk_idx < MAX_ID
-            and session_id
-        ):
-            return value
-    elif not isinstance(value, tuple) or len(value) != 3:
-        raise TypeError(
-            f"prefetch_requested holds (room, chunk_idx, session_id) tuples, got {value!r}"
-        )
-    room, chunk_idx, session_id = tuple(value)
-    return (
-        check_id(room, "room", bools=bools),
-        check_id(chunk_idx, "chunk_idx", bools=bools),
-        check_session_id(session_id),
-    )
-
-
 def _maybe(check: Callable[[object, bool], T], value: object, sets: bool = True) -> T | None:
     """The member ``value`` would be, or ``None`` if it cannot be one (``sets``: a ``set``
     is looked up as a ``frozenset``, as ``set.discard`` does). Raises: TypeError (unhashable).
@@ -120,13 +89,6 @@ def _maybe(check: Callable[[object, bool], T], value: object, sets: bool = True)
         return check(value, True)
     except (TypeError, ValueError):
         return None
-
-
-class _Refusal(enum.Enum):
-    """Why :meth:`_CompatCore._room_for_write` gave no room."""
-
-    QUIET = 0  # refused, already logged for this tombstone
-    LOG = 1  # refused, the first time for this tombstone: log it (after the lock)
 
 
 def _log_refusals(rooms: Iterable[int], window: int) -> None:
@@ -169,8 +131,9 @@ class _CompatCore(StagingContext):
 
     # ---------------------------------------------------------------- under the write lock
 
-    def _room_for_write(self, room: int) -> _Room | _Refusal:
-        """The open room (opened if needed), or a refusal if tombstoned. Write lock held.
+    def _room_for_write(self, room: int, to_log: list[int]) -> _Room | None:
+        """The open room (opened if needed), or ``None`` if tombstoned (refused; its first
+        refusal per tombstone goes to ``to_log``, logged after the lock). Write lock held.
         Raises: RoomPurgedError (strict mode)."""
         state = self._rooms.get(room)
         if state is not None:
@@ -184,10 +147,10 @@ class _CompatCore(StagingContext):
                 "purged ids, so this is a late write; a new request that reuses the id "
                 "calls reopen_room first)",
             )
-            if logged:
-                return _Refusal.QUIET
-            self._tombstones[room] = True
-            return _Refusal.LOG
+            if not logged:
+                self._tombstones[room] = True
+                to_log.append(room)
+            return None
         state = _Room(next_generation())
         self._rooms[room] = state
         self._rooms_opened += 1
@@ -202,17 +165,15 @@ class _CompatCore(StagingContext):
         """Strict mode: raise before any change if one room of the batch would be refused."""
         for room in rooms:
             if room not in self._rooms and room in self._tombstones:
-                self._room_for_write(room)  # counts and raises
+                self._room_for_write(room, [])  # counts and raises
 
-    # Per-element bodies (write lock held): True if changed, False if not, or the refusal.
+    # Per-element bodies (write lock held): True if changed (a refused add: False).
 
-    def _add_key_locked(self, key: PrefetchKey) -> bool | _Refusal:
+    def _add_key_locked(self, key: PrefetchKey, to_log: list[int]) -> bool:
         room, chunk_idx, session_id = key
-        state = self._room_for_write(room)
-        if isinstance(state, _Refusal):
-            return state
+        state = self._room_for_write(room, to_log)
         pair = (chunk_idx, session_id)
-        if pair in state.requests:
+        if state is None or pair in state.requests:
             return False
         state.requests.add(pair)
         self._add_session_ref(session_id, room)
@@ -231,11 +192,9 @@ class _CompatCore(StagingContext):
         self._close_if_empty(room, state)
         return True
 
-    def _add_mark_locked(self, room: int) -> bool | _Refusal:
-        state = self._room_for_write(room)
-        if isinstance(state, _Refusal):
-            return state
-        if state.prefetched:
+    def _add_mark_locked(self, room: int, to_log: list[int]) -> bool:
+        state = self._room_for_write(room, to_log)
+        if state is None or state.prefetched:
             return False
         state.prefetched = True
         self._prefetched_count += 1
@@ -252,7 +211,7 @@ class _CompatCore(StagingContext):
 
     def _ops(
         self, rooms_view: bool
-    ) -> tuple[Callable[[Any], bool | _Refusal], Callable[[Any], bool]]:
+    ) -> tuple[Callable[[Any, list[int]], bool], Callable[[Any], bool]]:
         """One view's per-element add and discard (write lock held when called)."""
         if rooms_view:
             return self._add_mark_locked, self._discard_mark_locked
@@ -270,19 +229,6 @@ class _CompatCore(StagingContext):
 
     # ---------------------------------------------------------------- writes of one view
 
-    def add_one(self, rooms_view: bool, item: Any) -> bool:
-        """Test-and-add one element. Raises: RoomPurgedError (strict, tombstoned room)."""
-        with self._lock.write():
-            done = self._ops(rooms_view)[0](item)
-        if done is _Refusal.LOG:
-            _log_refusals((item if rooms_view else item[0],), self._tombstone_capacity)
-        return done is True
-
-    def discard_one(self, rooms_view: bool, item: Any) -> bool:
-        """Remove one element if present."""
-        with self._lock.write():
-            return self._ops(rooms_view)[1](item)
-
     def write_many(
         self,
         rooms_view: bool,
@@ -293,35 +239,30 @@ class _CompatCore(StagingContext):
         keep: AbstractSet[Any] | None = None,
     ) -> int:
         """One critical section: ``discards``, then drop all not in ``keep``, then ``adds``,
-        then flip each of ``toggles``. Returns how many were added.
+        then flip each of ``toggles``. Returns how many elements it added or removed.
 
         Raises:
             RoomPurgedError: strict mode, an added element's room is tombstoned (no change).
         """
         add, discard = self._ops(rooms_view)
-        added = 0
+        changed = 0
         to_log: list[int] = []
         # mutant-site: write-many
         with self._lock.write():
             if self._strict:
                 self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
             for item in discards:
-                discard(item)
+                changed += discard(item)
             if keep is not None:
                 for item in list(self._items_locked(rooms_view)):
                     if item not in keep:
-                        discard(item)
-            for flip, items in ((False, adds), (True, toggles)):
-                for item in items:
-                    if flip and discard(item):
-                        continue
-                    done = add(item)
-                    if done is True:
-                        added += 1
-                    elif done is _Refusal.LOG:
-                        to_log.append(item if rooms_view else item[0])
+                        changed += discard(item)
+            for item in adds:
+                changed += add(item, to_log)
+            for item in toggles:
+                changed += discard(item) or add(item, to_log)
         _log_refusals(to_log, self._tombstone_capacity)
-        return added
+        return changed
 
     def pop_item(self, rooms_view: bool) -> Any:
         """Remove and return some element of one view. Raises: KeyError (empty)."""
@@ -396,22 +337,11 @@ class _CompatCore(StagingContext):
 
 
 def _frozen(other: object) -> frozenset[Any] | None:
-    """``other`` as a frozenset (one snapshot of a view), or ``None`` if not iterable."""
+    """``other`` as a frozenset (a view iterates one snapshot), or ``None`` if not
+    iterable."""
     if isinstance(other, frozenset):
         return other
-    if isinstance(other, _SetView):
-        return other.snapshot()
-    if isinstance(other, Iterable):
-        return frozenset(other)
-    return None
-
-
-def _all(others: tuple[Iterable[Any], ...]) -> list[Any]:
-    """The elements of several iterables, one snapshot each for a view."""
-    out: list[Any] = []
-    for other in others:
-        out.extend(other.snapshot() if isinstance(other, _SetView) else other)
-    return out
+    return frozenset(other) if isinstance(other, Iterable) else None
 
 
 _BUILTIN_SCALARS: Final = frozenset({int, float, complex, bool, str, bytes, type(None)})
@@ -442,22 +372,47 @@ def _members(check: Callable[[object, bool], T], values: Iterable[Any]) -> froze
     return frozenset(out)
 
 
-def _comparison(op: Callable[[frozenset[Any], frozenset[Any]], bool]) -> Callable[..., bool]:
-    """A view's ``==``/``<=``/...: ``op`` on one snapshot and ``other`` frozen; a non-set
-    gives ``NotImplemented``."""
+def _on_pair(
+    op: Callable[[frozenset[Any], frozenset[Any]], R], sets_only: bool = False
+) -> Callable[..., R]:
+    """A view's binary operator or (``sets_only``) comparison: ``op`` on one snapshot and
+    ``other`` frozen; a non-iterable (a comparison: a non-set) gives ``NotImplemented``."""
 
-    def compare(self: _SetView[Any], other: object) -> Any:  # bool or NotImplemented
-        if not isinstance(other, AbstractSet):
+    def method(self: _SetView[Any], other: object) -> Any:  # R or NotImplemented
+        if sets_only and not isinstance(other, AbstractSet):
             return NotImplemented
         mine, theirs = self._pair(other)
         return NotImplemented if theirs is None else op(mine, theirs)
 
-    return compare
+    return method
+
+
+def _on_snapshot(op: Callable[..., R]) -> Callable[..., R]:
+    """A view's named set method: ``op(snapshot, *others)``, the view itself among
+    ``others`` read as that snapshot."""
+
+    def method(self: _SetView[Any], *others: Iterable[Any]) -> R:
+        mine = self.snapshot()
+        return op(mine, *[mine if other is self else other for other in others])
+
+    method.__doc__ = f"``frozenset.{op.__name__}`` on one snapshot. Thread-safe."
+    return method
+
+
+def _in_place(update: Callable[[Any, Any], None]) -> Callable[..., Any]:
+    """A view's in-place operator: ``update(view, other)``, then the view itself."""
+
+    def method(self: _SetView[Any], other: AbstractSet[Any]) -> _SetView[Any]:
+        update(self, other)
+        return self
+
+    method.__doc__ = f":meth:`{update.__name__}`, then the view itself. Raises: as it."
+    return method
 
 
 class _SetView(MutableSet[T], Generic[T]):
     """Shared view behaviour: writes go through the core, whole-set operations read one
-    snapshot. Subclasses provide ``__contains__`` (lock-free), ``_check`` and the hooks."""
+    snapshot. Subclasses provide ``__contains__`` (lock-free) and ``_check``."""
 
     __slots__ = ("_core", "_get")
     _ROOMS: bool = False  # which view of the core
@@ -472,10 +427,10 @@ class _SetView(MutableSet[T], Generic[T]):
         raise NotImplementedError
 
     def _test_and_add(self, item: T) -> bool:
-        return self._core.add_one(self._ROOMS, item)
+        return self._core.write_many(self._ROOMS, adds=(item,)) > 0
 
     def _discard(self, item: T) -> bool:
-        return self._core.discard_one(self._ROOMS, item)
+        return self._core.write_many(self._ROOMS, discards=(item,)) > 0
 
     def __len__(self) -> int:
         """Thread-safe; read lock; O(1)."""
@@ -540,7 +495,7 @@ class _SetView(MutableSet[T], Generic[T]):
         Raises: as :meth:`add`, before any change.
         """
         # view |= view is a no-op, not a re-add of an older snapshot.
-        items = [self._check(x) for x in _all(tuple(o for o in others if o is not self))]
+        items = [self._check(x) for other in others if other is not self for x in other]
         # mutant-site: update
         if items:
             self._core.write_many(self._ROOMS, adds=items)
@@ -553,7 +508,7 @@ class _SetView(MutableSet[T], Generic[T]):
         if any(other is self for other in others):  # view -= view: empty, at one instant
             self._core.write_many(self._ROOMS, keep=frozenset())
             return
-        maybe = (_maybe(self._check, x, sets=False) for x in _all(others))
+        maybe = (_maybe(self._check, x, sets=False) for other in others for x in other)
         items = [item for item in maybe if item is not None]
         if items:
             self._core.write_many(self._ROOMS, discards=items)
@@ -586,29 +541,14 @@ class _SetView(MutableSet[T], Generic[T]):
         if other is self:  # view ^= view: empty, at one instant
             self._core.write_many(self._ROOMS, keep=frozenset())
             return
-        items = list(dict.fromkeys(self._check(x) for x in _all((other,))))
+        items = list(dict.fromkeys(self._check(x) for x in other))
         if items:
             self._core.write_many(self._ROOMS, toggles=items)
 
-    def __ior__(self, other: AbstractSet[Any]) -> _SetView[T]:  # type: ignore[misc]
-        """:meth:`update`. Raises: as :meth:`update`."""
-        self.update(other)
-        return self
-
-    def __isub__(self, other: AbstractSet[Any]) -> _SetView[T]:
-        """:meth:`difference_update`. Raises: as it."""
-        self.difference_update(other)
-        return self
-
-    def __iand__(self, other: AbstractSet[Any]) -> _SetView[T]:
-        """:meth:`intersection_update`. Raises: as it."""
-        self.intersection_update(other)
-        return self
-
-    def __ixor__(self, other: AbstractSet[Any]) -> _SetView[T]:  # type: ignore[misc]
-        """:meth:`symmetric_difference_update`. Raises: as it."""
-        self.symmetric_difference_update(other)
-        return self
+    __ior__ = _in_place(update)
+    __isub__ = _in_place(difference_update)
+    __iand__ = _in_place(intersection_update)
+    __ixor__ = _in_place(symmetric_difference_update)
 
     # whole-set reads: one snapshot each -----------------------------------------------
     def __iter__(self) -> Iterator[T]:
@@ -632,71 +572,24 @@ class _SetView(MutableSet[T], Generic[T]):
         theirs = _frozen(other)
         return (frozenset() if theirs is None else self.snapshot()), theirs
 
-    def _on_snapshot(self, op: Callable[..., R], *others: Iterable[Any]) -> R:
-        """``op(snapshot, *others)``, the view itself among ``others`` read as that snapshot."""
-        mine = self.snapshot()
-        return op(mine, *[mine if other is self else other for other in others])
-
-    __eq__ = _comparison(operator.eq)
     __hash__ = None  # type: ignore[assignment]  # mutable, like set
-    __le__ = _comparison(operator.le)
-    __lt__ = _comparison(operator.lt)
-    __ge__ = _comparison(operator.ge)
-    __gt__ = _comparison(operator.gt)
-
-    def __and__(self, other: AbstractSet[Any]) -> frozenset[T]:
-        mine, theirs = self._pair(other)
-        return NotImplemented if theirs is None else mine & theirs
-
-    __rand__ = __and__
-
-    def __or__(self, other: AbstractSet[S]) -> frozenset[T | S]:
-        mine, theirs = self._pair(other)
-        return NotImplemented if theirs is None else mine | theirs
-
-    __ror__ = __or__
-
-    def __sub__(self, other: AbstractSet[Any]) -> frozenset[T]:
-        mine, theirs = self._pair(other)
-        return NotImplemented if theirs is None else mine - theirs
-
-    def __rsub__(self, other: AbstractSet[Any]) -> frozenset[Any]:
-        mine, theirs = self._pair(other)
-        return NotImplemented if theirs is None else theirs - mine
-
-    def __xor__(self, other: AbstractSet[S]) -> frozenset[T | S]:
-        mine, theirs = self._pair(other)
-        return NotImplemented if theirs is None else mine ^ theirs
-
-    __rxor__ = __xor__
-
-    def isdisjoint(self, other: Iterable[Any]) -> bool:
-        """On one snapshot. Thread-safe."""
-        return self._on_snapshot(frozenset.isdisjoint, other)
-
-    def issubset(self, other: Iterable[Any]) -> bool:
-        """On one snapshot. Thread-safe."""
-        return self._on_snapshot(frozenset.issubset, other)
-
-    def issuperset(self, other: Iterable[Any]) -> bool:
-        """On one snapshot. Thread-safe."""
-        return self._on_snapshot(frozenset.issuperset, other)
-
-    def union(self, *others: Iterable[S]) -> frozenset[T | S]:
-        """On one snapshot, as a frozenset. Thread-safe."""
-        return self._on_snapshot(frozenset.union, *others)
-
-    def intersection(self, *others: Iterable[Any]) -> frozenset[T]:
-        """On one snapshot, as a frozenset. Thread-safe."""
-        return self._on_snapshot(frozenset.intersection, *others)
-
-    def difference(self, *others: Iterable[Any]) -> frozenset[T]:
-        """On one snapshot, as a frozenset. Thread-safe."""
-        return self._on_snapshot(frozenset.difference, *others)
-
-    def symmetric_difference(self, other: Iterable[S]) -> frozenset[T | S]:
-        """On one snapshot, as a frozenset. Thread-safe."""
-        return self._on_snapshot(frozenset.symmetric_difference, other)
+    __eq__ = _on_pair(operator.eq, sets_only=True)
+    __le__ = _on_pair(operator.le, sets_only=True)
+    __lt__ = _on_pair(operator.lt, sets_only=True)
+    __ge__ = _on_pair(operator.ge, sets_only=True)
+    __gt__ = _on_pair(operator.gt, sets_only=True)
+    __and__ = __rand__ = _on_pair(operator.and_)
+    __or__ = __ror__ = _on_pair(operator.or_)
+    __sub__ = _on_pair(operator.sub)
+    __rsub__ = _on_pair(lambda mine, theirs: theirs - mine)
+    __xor__ = __rxor__ = _on_pair(operator.xor)
+    isdisjoint = _on_snapshot(frozenset.isdisjoint)
+    issubset = _on_snapshot(frozenset.issubset)
+    issuperset = _on_snapshot(frozenset.issuperset)
+    union = _on_snapshot(frozenset.union)
+    intersection = _on_snapshot(frozenset.intersection)
+    difference = _on_snapshot(frozenset.difference)
+    symmetric_difference = _on_snapshot(frozenset.symmetric_difference)
 
     def __repr__(self) -> str:
         items = sorted(self.snapshot(), key=repr)
@@ -717,7 +610,8 @@ class PrefetchedRoomsView(_SetView[int]):
         return state is not None and state.prefetched
 
     def _check(self, value: object, bools: bool = False) -> int:
-        return _room_id(value, bools)
+        """A room id (lenient). Raises: TypeError, ValueError."""
+        return check_id(value, "room", bools=bools)
 
 
 class PrefetchRequestedView(_SetView[PrefetchKey]):
@@ -729,15 +623,24 @@ class PrefetchRequestedView(_SetView[PrefetchKey]):
     def __contains__(self, key: object) -> bool:
         """O(1), no lock; linearizable (as ``StagingContext.is_requested``). A non-key is
         not a member."""
-        if type(key) is tuple and len(key) == 3:  # the hot path: one branch
-            state = self._get(key[0])
-            return state is not None and (key[1], key[2]) in state.requests
-        if isinstance(key, tuple) and len(key) == 3:  # a tuple subclass (namedtuple)
-            return tuple(key) in self
-        return False
+        if not isinstance(key, tuple) or len(key) != 3:
+            return False
+        room, chunk_idx, session_id = tuple(key)
+        state = self._get(room)
+        return state is not None and (chunk_idx, session_id) in state.requests
 
     def _check(self, value: object, bools: bool = False) -> PrefetchKey:
-        return _key(value, bools)
+        """A ``(room, chunk_idx, session_id)`` key (lenient). Raises: TypeError, ValueError."""
+        if not isinstance(value, tuple) or len(value) != 3:
+            raise TypeError(
+                f"prefetch_requested holds (room, chunk_idx, session_id) tuples, got {value!r}"
+            )
+        room, chunk_idx, session_id = tuple(value)
+        return (
+            check_id(room, "room", bools=bools),
+            check_id(chunk_idx, "chunk_idx", bools=bools),
+            check_session_id(session_id),
+        )
 
 
 class CompatStagingContext(FixedViews):
@@ -798,7 +701,7 @@ class CompatStagingContext(FixedViews):
 
         Raises: TypeError, ValueError (``room`` not an integer in ``[0, 2**63)``).
         """
-        return self._core.purge_and_tombstone(_room_id(room))
+        return self._core.purge_and_tombstone(check_room_id(room))
 
     def reopen_room(self, room: int) -> RoomPurge:
         """A new request reuses ``room``: lift its tombstone and drop what the id holds, at
@@ -808,7 +711,7 @@ class CompatStagingContext(FixedViews):
         Raises: as :meth:`purge_room`.
         """
         # mutant-site: reopen-room
-        return self._core.reopen(_room_id(room))
+        return self._core.reopen(check_room_id(room))
 
     def lift_tombstone(self, room: int) -> bool:
         """Lift ``room``'s tombstone, if any, dropping nothing (for engines that cannot tell
@@ -817,7 +720,7 @@ class CompatStagingContext(FixedViews):
 
         Raises: as :meth:`purge_room`.
         """
-        return self._core.lift(_room_id(room))
+        return self._core.lift(check_room_id(room))
 
     def purge_session(self, session_id: str) -> frozenset[int]:
         """Drop a dead decode peer's keys from every room; return the rooms that had any

@@ -44,23 +44,13 @@ class LockedDictView(MutableMapping[Any, Any]):
         self._data: Final = data  # guarded by `_lock`
 
     def __getitem__(self, key: object) -> Any:
-        """Raises: KeyError: absent; TypeError: unhashable key."""
-        value = self.get(key, _MISSING)
-        if value is _MISSING:
-            raise KeyError(key)
-        return value
+        """One critical section, as the ``Mapping`` mixins ``get`` and ``in`` built on it.
 
-    def get(self, key: object, default: Any = None) -> Any:
-        """The value, or ``default``. Raises: TypeError: unhashable key."""
+        Raises: KeyError: absent; TypeError: unhashable key.
+        """
         k = _hashable(key)
         with self._lock:
-            return self._data.get(k, default)
-
-    def __contains__(self, key: object) -> bool:
-        """Raises: TypeError: unhashable key."""
-        k = _hashable(key)
-        with self._lock:
-            return k in self._data
+            return self._data[k]
 
     def __setitem__(self, key: object, value: Any) -> None:
         """Raises: TypeError: unhashable key."""

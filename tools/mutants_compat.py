@@ -88,7 +88,7 @@ MUTANTS += (
         file=COMPAT,
         site="reopen-room",
         replacement="""\
-room = _room_id(room)
+room = check_room_id(room)
 # MUTANT: the tombstone is lifted in its own critical section before reopen drops
 # the id's keys: a late write in between is accepted, then silently dropped
 with self._core._lock.write_untimed():

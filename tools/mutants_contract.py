@@ -203,20 +203,15 @@ with self._lock.write():
     if self._strict:
         self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
     for item in discards:
-        discard(item)
+        changed += discard(item)
     if keep is not None:
         for item in list(self._items_locked(rooms_view)):
             if item not in keep:
-                discard(item)
-    for flip, items in ((False, adds), (True, toggles)):
-        for item in items:
-            if flip and discard(item):
-                continue
-            done = add(item)
-            if done is True:
-                added += 1
-            elif done is _Refusal.LOG:
-                to_log.append(item if rooms_view else item[0])
+                changed += discard(item)
+    for item in adds:
+        changed += add(item, to_log)
+    for item in toggles:
+        changed += discard(item) or add(item, to_log)
     _log_refusals(to_log, self._tombstone_capacity)  # MUTANT: logged under the lock
 """,
         kind="sequential",
@@ -243,20 +238,15 @@ with self._lock.write():
     if self._strict:
         self._check_batch_strict([x if rooms_view else x[0] for x in (*adds, *toggles)])
     for item in discards:
-        discard(item)
+        changed += discard(item)
     if keep is not None:
         for item in before:  # what to discard was decided before the lock
             if item not in keep:
-                discard(item)
-    for flip, items in ((False, adds), (True, toggles)):
-        for item in items:
-            if flip and discard(item):
-                continue
-            done = add(item)
-            if done is True:
-                added += 1
-            elif done is _Refusal.LOG:
-                to_log.append(item if rooms_view else item[0])
+                changed += discard(item)
+    for item in adds:
+        changed += add(item, to_log)
+    for item in toggles:
+        changed += discard(item) or add(item, to_log)
 """,
         kind="race",
         description="the compat core decides what &= / intersection_update discards from the "
@@ -397,7 +387,7 @@ with self._lock.read():  # MUTANT: the element chosen under a read section ...
         chosen.append(item)
         break
 for item in chosen:
-    self.discard_one(rooms_view, item)  # ... removed in a second one, its result ignored
+    self.write_many(rooms_view, discards=(item,))  # ... removed in a second one
     return item
 """,
         kind="race",

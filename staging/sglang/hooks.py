@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from staging.compat import CompatStagingContext
 from staging.decode_compat import DecodeCompatContext
@@ -49,7 +49,7 @@ def _on_base(
     what: str,
 ) -> type:
     """``upstream`` remade on ``base`` without the ``views`` fields. Raises: ValueError."""
-    if not dataclasses.is_dataclass(upstream):
+    if not isinstance(upstream, type) or not dataclasses.is_dataclass(upstream):
         raise ValueError(f"{upstream!r} is not a dataclass")
     fields = dataclasses.fields(upstream)
     missing = [v for v in views if v not in {f.name for f in fields}]
@@ -159,3 +159,13 @@ def lift_on_new_sender() -> Callable[..., Any]:
 
     after_init.__qualname__ = "nixl_staging.lift_on_new_sender"
     return after_init
+
+
+HOOKS: Final[dict[str, tuple[str, Callable[[Any], Callable[..., Any] | type]]]] = {
+    "staging_class": ("REPLACE", staging_class),
+    "decode_staging_class": ("REPLACE", decode_staging_class),
+    "purge_then_clear": ("AROUND", lambda _: purge_then_clear()),
+    "lift_on_new_sender": ("AFTER", lambda _: lift_on_new_sender()),
+}
+"""Each hook by name: its ``HookType`` (fixed by what it is: a class, a wrapper, an
+epilogue) and how it is made from the resolved upstream object."""

@@ -173,35 +173,13 @@ def plan(release: str | None = None, *, check_fingerprints: bool = True) -> Plan
     try:
         for target, obj in resolved:
             if target.hook is not None:
-                result.hooks.append((target, _make(target, obj)))
+                result.hooks.append((target, hooks.HOOKS[target.hook][1](obj)))
     except Exception as exc:  # a released object not as the hook expects: does not apply
         result.hooks.clear()
         result.problem = (
             f"{where}: cannot build the hook of {target.path} ({type(exc).__name__}: {exc})"
         )
     return result
-
-
-_CLASS_HOOKS: Final = {
-    "staging_class": hooks.staging_class,
-    "decode_staging_class": hooks.decode_staging_class,
-}
-_WRAPPER_HOOKS: Final = {
-    "purge_then_clear": hooks.purge_then_clear,
-    "lift_on_new_sender": hooks.lift_on_new_sender,
-}
-
-
-def _make(target: Target, obj: object) -> Callable[..., Any] | type:
-    """The hook of ``target`` from its resolved object. Raises: ValueError, TypeError."""
-    hook = str(target.hook)
-    if hook in _CLASS_HOOKS:
-        if not isinstance(obj, type):
-            raise TypeError(f"{target.path} is not a class")
-        return _CLASS_HOOKS[hook](obj)
-    if hook in _WRAPPER_HOOKS:
-        return _WRAPPER_HOOKS[hook]()
-    raise ValueError(f"unknown hook {target.hook!r}")
 
 
 def register() -> Plan:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from staging.sglang.hooks import HOOKS
+
 __all__ = ["RELEASES", "Target"]
 
 _SH = "sglang.srt.disaggregation.common.staging_handler"
@@ -22,26 +24,18 @@ class Target:
     """One upstream object the plugin relies on."""
 
     path: str  # dotted, as HookRegistry.register takes it
-    hook: str | None  # a factory of staging.sglang.hooks, or None: checked only
+    hook: str | None  # a name in staging.sglang.hooks.HOOKS, or None: checked only
     hook_type: str | None  # "REPLACE", "AROUND", "AFTER" (a HookType name), or None
     fingerprint: str  # of the released source
     does: str  # what the plugin changes there (or relies on), in a few words
 
-
-_HOOK_TYPES: Final = {
-    "staging_class": "REPLACE",
-    "decode_staging_class": "REPLACE",
-    "purge_then_clear": "AROUND",
-    "lift_on_new_sender": "AFTER",
-}
-"""Each hook's ``HookType``: fixed by what the hook is (a class, a wrapper, an epilogue)."""
 
 Row = tuple[str, str | None, str, str]
 """``(path, hook, fingerprint, does)`` of one target; its hook type follows from the hook."""
 
 
 def _targets(*rows: Row) -> tuple[Target, ...]:
-    return tuple(Target(path, hook, _HOOK_TYPES.get(hook or ""), fp, does)
+    return tuple(Target(path, hook, HOOKS[hook][0] if hook else None, fp, does)
                  for path, hook, fp, does in rows)  # fmt: skip
 
 
