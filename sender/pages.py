@@ -19,7 +19,6 @@ from sender.errors import TransportParamError
 
 __all__ = ["CheckedPages", "as_pages", "scan_pages"]
 
-_INT64 = np.dtype(np.int64)
 _INDEX_LIMIT = 1 << 31
 """NIXL takes page indices as 32-bit ints."""
 _SMALL = 32
@@ -33,8 +32,6 @@ def as_pages(pages: Any, what: str) -> npt.NDArray[np.int64]:
     Raises:
         TransportParamError: Not 1-D, not integers, a bool, or a value beyond int64.
     """
-    if type(pages) is np.ndarray and pages.dtype is _INT64 and pages.ndim == 1:
-        return pages  # the common case: three cheap checks
     if type(pages) is CheckedPages:
         return pages.indices.astype(np.int64)
     if isinstance(pages, np.ndarray):
@@ -58,11 +55,8 @@ def as_pages(pages: Any, what: str) -> npt.NDArray[np.int64]:
 
 
 def scan_pages(pages: npt.NDArray[np.int64], *, unique: bool) -> tuple[int, int, bool]:
-    """``(lo, hi, repeats)`` of non-empty 1-D int64 ``pages``, in few numpy calls.
-
-    ``hi`` is the largest page; ``lo`` the smallest when one is negative, else a lower
-    bound >= 0; ``repeats`` (looked for only with ``unique``): a page occurs twice.
-    """
+    """``(lo, hi, repeats)`` of non-empty 1-D int64 ``pages``, in few numpy calls: the
+    smallest and largest page and (looked for only with ``unique``) whether one repeats."""
     n = pages.shape[0]
     if n <= _SMALL:
         # Python on a short list beats numpy's per-call cost.
@@ -73,14 +67,11 @@ def scan_pages(pages: npt.NDArray[np.int64], *, unique: bool) -> tuple[int, int,
     # mutant-site: scan-pages-if
     if np.count_nonzero(pages[1:] > pages[:-1]) == n - 1:
         return pages.item(0), pages.item(-1), False
-    repeats = False
     if unique:
-        ordered = np.sort(pages)
+        ordered = np.sort(pages)  # its ends are the bounds
         repeats = bool(np.count_nonzero(ordered[1:] == ordered[:-1]))
-    hi = int(pages.view(np.uint64).max())  # a negative page becomes a huge one
-    if hi > np.iinfo(np.int64).max:  # a negative page
-        return int(pages.min()), int(pages.max()), repeats
-    return 0, hi, repeats
+        return ordered.item(0), ordered.item(-1), repeats
+    return int(pages.min()), int(pages.max()), False
 
 
 class CheckedPages:

@@ -203,10 +203,6 @@ class _LocalRegion:
     memory: object  # the tensor/array, kept referenced while registered
     reg_descs: Any  # NIXL registration list, needed to deregister
     prepped: Any = None  # NIXL prepared list, one descriptor per page (None: not prepared)
-    prepped_id: int | None = field(init=False, default=None)  # its handle, for makeXferReq
-
-    def __post_init__(self) -> None:
-        self.prepped_id = None if self.prepped is None else int(self.prepped._handle)
 
 
 @dataclass(eq=False)
@@ -219,13 +215,9 @@ class _Peer:
     # Set under the transport's _lock by remove_peer; the entry stays (in _retired_peers)
     # until its last kept transfer is released.
     retired: bool = False
-    prepped_ids: dict[str, int] = field(default_factory=dict)
     # NIXL reported the peer disconnected; cleared when a later write completes. Read and
     # written without _lock (a bool write is atomic).
     disconnected: bool = False
-
-    def __post_init__(self) -> None:
-        self.prepped_ids = {k: int(h._handle) for k, h in self.prepped.items() if h is not None}
 
 
 def _descs(
@@ -235,12 +227,8 @@ def _descs(
     """Nx3 ``(address, length, device)`` rows for NIXL: int64 arithmetic (validated
     indices keep it below 2**63), viewed as uint64."""
     rows = np.empty((starts.shape[0], 3), dtype=np.int64)
-    np.multiply(starts, page_bytes, out=rows[:, 0])
-    rows[:, 0] += base
-    if isinstance(counts, int):
-        rows[:, 1] = counts * page_bytes
-    else:
-        np.multiply(counts, page_bytes, out=rows[:, 1])
+    rows[:, 0] = starts * page_bytes + base
+    rows[:, 1] = counts * page_bytes
     rows[:, 2] = device_id
     return rows.view(np.uint64)
 
@@ -399,8 +387,6 @@ class Transfer:
             check_seconds(timeout_s, "timeout_s", allow_zero=True, allow_inf=True)
         if interval_s is not None:
             check_seconds(interval_s, "interval_s", allow_zero=True)
-        if self._done and not self._released:  # done at the post (the common case)
-            return
         end = None if timeout_s is None else time.monotonic() + float(timeout_s)
         pauses = poll_pauses() if interval_s is None else itertools.repeat(float(interval_s))
         while self.poll() != "DONE":
@@ -445,19 +431,11 @@ class Transfer:
                     ops.releaseXferReq(handle)
                 except Exception as exc:
                     error = exc
-            tx = self._transport
-            with tx._lock:
-                if self in tx._live:
-                    tx._counts["transfers_released"] += 1
-                tx._forget_locked(self)
-                if error is not None and handle is not None:
-                    tx._refused_handles.append(handle)
-                    tx._counts["release_refused"] += 1
-                reap = (self._peer.retired and not self._peer.transfers) or bool(tx._retiring)
+            reap = self._transport._note_released(self, None if error is None else handle)
         if error is not None:
             logger.warning("releasing %r failed (%s); retried at close()", self, error)
         if reap:  # the last kept transfer of a removed peer or retiring region
-            tx._try_reap_retired()
+            self._transport._try_reap_retired()
 
     def _keep_if_unsettled(self, failure: BaseException) -> bool:
         """Keep (``True``, failing it with ``failure`` unless already failed) a transfer NIXL
@@ -894,14 +872,8 @@ class NixlTransport:
         if timeout_s is not None:
             _check_timeout(timeout_s, "timeout_s")
         timeout = self._default_timeout_s if timeout_s is None else float(timeout_s)
-        src_checked = dst_checked = None
-        if type(src_pages) is CheckedPages and type(dst_pages) is CheckedPages and dst_pages.unique:
-            src_checked, dst_checked = src_pages, dst_pages
-            src = dst = _NO_PAGES  # int64 arrays made only on the rare paths needing them
-            n, n_dst = len(src_pages), len(dst_pages)
-        else:
-            src, dst = as_pages(src_pages, "src_pages"), as_pages(dst_pages, "dst_pages")
-            n, n_dst = len(src), len(dst)
+        src, dst = as_pages(src_pages, "src_pages"), as_pages(dst_pages, "dst_pages")
+        n, n_dst = len(src), len(dst)
         if n != n_dst:
             raise TransportParamError(f"src_pages and dst_pages differ in length ({n} vs {n_dst})")
         if n == 0:
@@ -925,36 +897,20 @@ class NixlTransport:
                 f"page size differs: local {src_region!r} {li.page_bytes} B, "
                 f"remote {dst_region!r} {remote.page_bytes} B"
             )
-        src_idx: list[int] | npt.NDArray[np.int32]
-        dst_idx: list[int] | npt.NDArray[np.int32]
-        if src_checked is not None and dst_checked is not None:
-            # mutant-site: write-pages-if-1
-            if src_checked.max_page >= li.num_pages or dst_checked.max_page >= remote.num_pages:
-                # A slice may be in range although its parent's bound is not: look.
-                src = src_checked.indices.astype(np.int64)
-                dst = dst_checked.indices.astype(np.int64)
-                _check_pages(src, li.num_pages, "src_pages", src_region, unique=False)
-                _check_pages(dst, remote.num_pages, "dst_pages", dst_region, unique=False)
-            src_idx, dst_idx = src_checked.indices, dst_checked.indices
-        elif n <= _SMALL_WRITE:  # Python lists beat numpy's per-call overhead on a few pages
-            src_list: list[int] = src.tolist()
-            dst_list: list[int] = dst.tolist()
-            _check_pages(src_list, li.num_pages, "src_pages", src_region, unique=False)
-            _check_pages(dst_list, remote.num_pages, "dst_pages", dst_region, unique=True)
-            src_idx, dst_idx = src_list, dst_list
-        else:
+        # Two CheckedPages (distinct destination) within both regions by their bounds are
+        # not looked at; a slice may be in range although its parent's bound is not.
+        # mutant-site: write-pages-if-1
+        if not (
+            type(src_pages) is CheckedPages and type(dst_pages) is CheckedPages
+            and dst_pages.unique and src_pages.max_page < li.num_pages
+            and dst_pages.max_page < remote.num_pages
+        ):
             _check_pages(src, li.num_pages, "src_pages", src_region, unique=False)
             _check_pages(dst, remote.num_pages, "dst_pages", dst_region, unique=True)
-
-        local_prepped, remote_prepped = local.prepped_id, peer.prepped_ids.get(dst_region)
-        if local_prepped is None or remote_prepped is None:
-            local_prepped = remote_prepped = None
-            if src_checked is not None and dst_checked is not None:
-                src = src_checked.indices.astype(np.int64)
-                dst = dst_checked.indices.astype(np.int64)
+        local_prepped, remote_prepped = local.prepped, peer.prepped[dst_region]
+        prepped = local_prepped is not None and remote_prepped is not None
+        if not prepped:
             src_rows, dst_rows = _rows_for(li, remote, src, dst, coalesce)
-        elif n > _SMALL_WRITE and src_checked is None:
-            src_idx, dst_idx = src.astype(np.int32), dst.astype(np.int32)
         ops = self._xfer_agent
         xfer = Transfer(self, ops, peer, src_region, n, li.page_bytes, timeout)
         with xfer._lock:  # fresh lock: nobody else can hold it yet
@@ -971,20 +927,19 @@ class NixlTransport:
                 peer.transfers.add(xfer)
             msg = notif or b""
             try:
-                if local_prepped is not None:
+                if prepped:
                     # The prepared lists stay valid: they are released only after this
                     # transfer, whose lock we hold.
                     handle = ops.makeXferReq(
-                        self._write_op, local_prepped, src_idx, remote_prepped, dst_idx, msg, [],
-                        not coalesce,
+                        self._write_op, local_prepped._handle, src.astype(np.int32),
+                        remote_prepped._handle, dst.astype(np.int32), msg, [], not coalesce,
                     )
                 else:
-                    bindings = _nixl.require()
+                    b = _nixl.require()
+                    seg = {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG}
                     handle = ops.createXferReq(
-                        self._write_op,
-                        bindings.nixlXferDList(_mem_seg(bindings, li.mem_type), src_rows),
-                        bindings.nixlXferDList(_mem_seg(bindings, remote.mem_type), dst_rows),
-                        peer.agent_name, msg, [],
+                        self._write_op, b.nixlXferDList(seg[li.mem_type], src_rows),
+                        b.nixlXferDList(seg[remote.mem_type], dst_rows), peer.agent_name, msg, [],
                     )
                 xfer._handle = handle
                 status = ops.postXferReq(handle, msg)
@@ -1160,6 +1115,18 @@ class NixlTransport:
         self._remote_refs[agent_name] = left
         return False
 
+    def _note_released(self, xfer: Transfer, refused: int | None) -> bool:
+        """Forget a just released ``xfer`` (``refused``: its handle, which NIXL would not
+        release, for close() to retry); whether a retired peer or region may be reaped now."""
+        with self._lock:
+            if xfer in self._live:
+                self._counts["transfers_released"] += 1
+            self._forget_locked(xfer)
+            if refused is not None:
+                self._refused_handles.append(refused)
+                self._counts["release_refused"] += 1
+            return (xfer._peer.retired and not xfer._peer.transfers) or bool(self._retiring)
+
     def _forget_locked(self, xfer: Transfer) -> None:
         self._live.discard(xfer)
         xfer._peer.transfers.discard(xfer)  # the entry it was added to, even if since removed
@@ -1296,23 +1263,12 @@ def _rows_for(
     )
 
 
-_SMALL_WRITE = 16
-"""Writes of at most this many pages are validated with Python lists (cheaper)."""
-
-
-_NO_PAGES: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
-
-
 def _check_pages(
-    pages: npt.NDArray[np.int64] | list[int], num_pages: int, what: str, region: str, *,
-    unique: bool,
+    pages: npt.NDArray[np.int64], num_pages: int, what: str, region: str, *, unique: bool
 ) -> None:
     """Raise :class:`TransportParamError` unless every page is in ``range(num_pages)`` and,
     with ``unique``, none repeats."""
-    if isinstance(pages, list):  # a short write's
-        lo, hi, repeats = min(pages), max(pages), unique and len(set(pages)) != len(pages)
-    else:
-        lo, hi, repeats = scan_pages(pages, unique=unique)
+    lo, hi, repeats = scan_pages(pages, unique=unique)
     if lo < 0 or hi >= num_pages:
         raise TransportParamError(
             f"{what}: page {lo if lo < 0 else hi} out of range for region {region!r} "
@@ -1327,10 +1283,6 @@ def _note_disconnect(peer: _Peer, exc: BaseException) -> None:
     cls = getattr(_nixl.bindings, "nixlRemoteDisconnectError", None)
     if cls is not None and isinstance(exc, cls):
         peer.disconnected = True
-
-
-def _mem_seg(bindings: Any, mem_type: str) -> Any:
-    return bindings.DRAM_SEG if mem_type == "DRAM" else bindings.VRAM_SEG
 
 
 AGENT_ATTEMPTS = 3

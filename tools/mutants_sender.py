@@ -314,12 +314,11 @@ if isinstance(unit, _Idle) and pause >= HUNG_SWEEP_S:  # MUTANT: idle only
         file="sender/transport.py",
         site="write-pages-if-1",
         replacement="""\
-if False:  # MUTANT: checked page lists are trusted against any region
-    # A slice may be within range although its parent's bound is not: look.
-    src = src_checked.indices.astype(np.int64)
-    dst = dst_checked.indices.astype(np.int64)
+if not (  # MUTANT: checked page lists are trusted against any region
+    type(src_pages) is CheckedPages and type(dst_pages) is CheckedPages and dst_pages.unique
+):
     _check_pages(src, li.num_pages, "src_pages", src_region, unique=False)
-    _check_pages(dst, remote.num_pages, "dst_pages", dst_region, unique=False)
+    _check_pages(dst, remote.num_pages, "dst_pages", dst_region, unique=True)
 """,
         kind="sequential",
         description="write_pages trusts CheckedPages without comparing their bound with the "

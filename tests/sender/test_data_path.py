@@ -160,14 +160,14 @@ def _write_and_check(
 def test_checked_and_plain_writes_land_byte_exact(
     decode_peer: Any, monkeypatch: pytest.MonkeyPatch, prepared: bool
 ) -> None:
-    """Small (list path) and large (numpy path) writes, plain and checked, sliced, on
+    """Small and large writes, plain and checked, sliced, on
     prepared descriptor lists (``makeXferReq``) and on per-write lists (``createXferReq``)."""
     if not prepared:  # regions above this many pages are not prepared
         monkeypatch.setattr(transport_mod, "_MAX_PREPPED_PAGES", 0)
     sp = make_sender_pool()
     try:
         _connect(sp, decode_peer)
-        assert (sp.transport._regions["kv"].prepped_id is not None) is prepared
+        assert (sp.transport._regions["kv"].prepped is not None) is prepared
         rng = np.random.default_rng(5)
         for n in (1, 4, 16, 17, 64, 200):
             src = rng.choice(NUM_PAGES, n, replace=False).astype(np.int64)
