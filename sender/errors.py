@@ -11,6 +11,7 @@ NIXL's exceptions subclass ``Exception`` directly; their message is the status n
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from sender import _nixl
@@ -152,8 +153,8 @@ class KVTransferError(RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         args, kwargs = self._pickled
-        state = tuple(getattr(self, a) for a in args), {k: getattr(self, k) for k in kwargs}
-        return _rebuild, (type(self), *state)
+        rebuild = partial(type(self), **{k: getattr(self, k) for k in kwargs})
+        return rebuild, tuple(getattr(self, a) for a in args)
 
 
 class RoomNotFailedError(KVTransferError):
@@ -195,35 +196,20 @@ class ConcurrentSenderUseError(KVTransferError):
         self.other_thread = other_thread
 
 
-def _rebuild(
-    cls: type[KVTransferError], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> KVTransferError:
-    """Unpickle a :class:`KVTransferError` (of any subclass): ``cls(*args, **kwargs)``."""
-    return cls(*args, **kwargs)
-
-
 def _nixl_classes(*names: str) -> tuple[type[BaseException], ...]:
     found = (getattr(_nixl.bindings, n, None) for n in names)  # no bindings: none found
     return tuple(c for c in found if isinstance(c, type) and issubclass(c, BaseException))
 
 
-_OURS: tuple[type[BaseException], ...] = (
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    *_nixl_classes(
+        "nixlRemoteDisconnectError", "nixlBackendError", "nixlCancelledError", "nixlNotFoundError"
+    ),
+    # Without NIXL, RuntimeError stands in for its classes (which do NOT subclass it).
+    *(() if _nixl.AVAILABLE else (RuntimeError,)),
     TransferTimeoutError, TransferFailedError, TransportClosedError, PeerNotFoundError,
     RegionRetiredError,
 )
-
-TRANSPORT_ERRORS: tuple[type[BaseException], ...]
-if _nixl.AVAILABLE:
-    TRANSPORT_ERRORS = (
-        *_nixl_classes(
-            "nixlRemoteDisconnectError", "nixlBackendError", "nixlCancelledError",
-            "nixlNotFoundError",
-        ),
-        *_OURS,
-    )
-else:
-    # Without NIXL, RuntimeError stands in for its classes (which do NOT subclass it).
-    TRANSPORT_ERRORS = (RuntimeError, *_OURS)
 
 # NIXL statuses that mean "the caller passed something wrong" (never a dead peer).
 PARAM_ERRORS: tuple[type[BaseException], ...] = _nixl_classes(

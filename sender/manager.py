@@ -17,7 +17,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -40,6 +42,21 @@ __all__ = [
 
 _CLAIMED_END_GRACE_S = 0.5
 """Least time ``close()`` waits for chunk ends other threads claimed (so their notices queue)."""
+
+
+def _pipeline_setting(name: str) -> Any:
+    """A read-only property: the manager's pipeline's setting ``name``."""
+    return property(attrgetter(f"pipeline.{name}"))
+
+
+def _snapshot(table: str, doc: str, *, lock: str = "_room_lock") -> Any:
+    """A read-only property: a frozen copy of the room table's ``table`` under ``lock``."""
+
+    def read(self: KVManager) -> Mapping[Any, Any]:
+        with getattr(self, lock).read():
+            return MappingProxyType(dict(getattr(self.rooms, table)))
+
+    return property(read, doc=doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,34 +195,13 @@ class KVManager:
 
     # The settings live in the pipeline, whose workers read them; the manager shows them
     # read-only, fixed at construction.
-
-    @property
-    def transfer_timeout_s(self) -> float:
-        return self.pipeline.transfer_timeout_s
-
-    @property
-    def slot_timeout_s(self) -> float:
-        return self.pipeline.slot_timeout_s
-
-    @property
-    def session_slots(self) -> int:
-        return self.pipeline.session_slots
-
-    @property
-    def poll_interval_s(self) -> float | None:
-        return self.pipeline.poll_interval_s
-
-    @property
-    def kv_region(self) -> str:
-        return self.pipeline.kv_region
-
-    @property
-    def staging_region(self) -> str:
-        return self.pipeline.staging_region
-
-    @property
-    def fail_session_on_disconnect(self) -> bool:
-        return self.pipeline.fail_session_on_disconnect
+    transfer_timeout_s: float = _pipeline_setting("transfer_timeout_s")
+    slot_timeout_s: float = _pipeline_setting("slot_timeout_s")
+    session_slots: int = _pipeline_setting("session_slots")
+    poll_interval_s: float | None = _pipeline_setting("poll_interval_s")
+    kv_region: str = _pipeline_setting("kv_region")
+    staging_region: str = _pipeline_setting("staging_region")
+    fail_session_on_disconnect: bool = _pipeline_setting("fail_session_on_disconnect")
 
     @property
     def num_workers(self) -> int:
@@ -217,11 +213,21 @@ class KVManager:
         Never raises."""
         return self._room_lock.debug
 
-    @property
-    def request_status(self) -> Mapping[int, KVPoll]:
-        """Snapshot (read-only) of room -> status. Thread-safe; read lock."""
-        with self._room_lock.read():
-            return MappingProxyType(dict(self.rooms.request_status))
+    request_status: Mapping[int, KVPoll] = _snapshot(
+        "request_status", "Snapshot (read-only) of room -> status. Thread-safe; read lock."
+    )
+    req_to_decode_prefix_len: Mapping[int, int] = _snapshot(
+        "req_to_decode_prefix_len",
+        "Snapshot (read-only) of room -> decode prefix length. Thread-safe; read lock.",
+    )
+    exceptions: Mapping[int, BaseException] = _snapshot(
+        "exceptions", "Snapshot (read-only) of room -> stored exception. Thread-safe; read lock."
+    )
+    failure_records: Mapping[int, str] = _snapshot(
+        "failure_records",
+        "Snapshot (read-only) of room -> failure reason. Thread-safe; failure lock.",
+        lock="failure_lock",
+    )
 
     @property
     def transfer_infos(self) -> Mapping[int, Mapping[str, TransferInfo]]:
@@ -230,24 +236,6 @@ class KVManager:
             return MappingProxyType(
                 {r: MappingProxyType(dict(i)) for r, i in self.rooms.transfer_infos.items()}
             )
-
-    @property
-    def req_to_decode_prefix_len(self) -> Mapping[int, int]:
-        """Snapshot (read-only) of room -> decode prefix length. Thread-safe; read lock."""
-        with self._room_lock.read():
-            return MappingProxyType(dict(self.rooms.req_to_decode_prefix_len))
-
-    @property
-    def exceptions(self) -> Mapping[int, BaseException]:
-        """Snapshot (read-only) of room -> stored exception. Thread-safe; read lock."""
-        with self._room_lock.read():
-            return MappingProxyType(dict(self.rooms.exceptions))
-
-    @property
-    def failure_records(self) -> Mapping[int, str]:
-        """Snapshot (read-only) of room -> failure reason. Thread-safe; failure lock."""
-        with self.failure_lock.read():
-            return MappingProxyType(dict(self.rooms.failure_records))
 
     def status(self, room: int) -> KVPoll | None:
         """The room's status, or ``None`` if it is not open. Thread-safe; read lock.
@@ -298,8 +286,7 @@ class KVManager:
         Raises:
             TypeError: ``handle`` is neither ``None`` nor a :class:`RoomHandle`.
         """
-        if handle is not None:
-            _check_handle(handle)
+        _check_handle(handle, none_ok=True)
         with self._room_lock.read():
             return self.rooms.lingering_locked(handle)
 
@@ -312,8 +299,7 @@ class KVManager:
             TypeError, ValueError: bad ``handle`` or ``timeout_s`` (not a number >= 0;
                 ``inf`` waits as long as it takes).
         """
-        if handle is not None:
-            _check_handle(handle)
+        _check_handle(handle, none_ok=True)
         timeout_s = check_seconds(timeout_s, "timeout_s", allow_zero=True, allow_inf=True)
         return self.pipeline.wait_drained(handle, timeout_s)
 
@@ -692,7 +678,7 @@ def _check_transport(
         )
 
 
-def _check_handle(handle: object) -> None:
-    if type(handle) is not RoomHandle:
+def _check_handle(handle: object, *, none_ok: bool = False) -> None:
+    if type(handle) is not RoomHandle and not (none_ok and handle is None):
         raise TypeError(f"expected a RoomHandle, got {type(handle).__name__}")
 

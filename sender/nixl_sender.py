@@ -21,19 +21,13 @@ from sender.poll import KVPoll, is_concluded
 from staging.context import RoomHandle
 from staging.validate import check_index, check_room_id, check_session_id
 
-_INT64 = np.dtype(np.int64)
 _INT64_MAX = int(np.iinfo(np.int64).max)
-_UNCHECKED: AbstractContextManager[None] = nullcontext()
 
 
 def _as_indices(kv_indices: Sequence[int] | PageArray, what: str, num_pages: int) -> PageArray:
     """Validate 1-D integer page indices (bools refused) as a contiguous int64 array; the
     bounds check is the manager's, except a uint64 past int64's range."""
-    k = kv_indices
-    if type(k) is np.ndarray and k.dtype is _INT64 and k.ndim == 1 and k.flags.c_contiguous:
-        return k  # the common case: already what the manager takes
     arr = np.asarray(kv_indices)
-    # dtype.kind, not np.issubdtype: cheaper, and this runs once per chunk.
     if arr.dtype.kind == "b" or (arr.size and arr.dtype.kind not in "iu"):
         raise TypeError(f"{what} must hold ints, got dtype {arr.dtype}")
     if arr.ndim != 1:
@@ -264,7 +258,7 @@ class NixlKVSender:
         """Debug mode: enter the one-thread check now (ConcurrentSenderUseError if another
         thread is inside), left when the returned context exits; else a no-op context."""
         check = self._one_thread
-        return _UNCHECKED if check is None else check.enter(method)
+        return nullcontext() if check is None else check.enter(method)
 
     def _note_failure(self, exc: BaseException | None, reason: str) -> None:
         self._send_failed = True
