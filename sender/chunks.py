@@ -12,16 +12,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-import numpy.typing as npt
-
 from sender.pages import CheckedPages
 from staging.buffers import StagingSlot
 from staging.context import RoomHandle
 
 __all__ = ["Chunk", "TransferLike"]
-
-PageArray = npt.NDArray[np.int64]
 
 
 class TransferLike(Protocol):
@@ -45,15 +40,13 @@ class Chunk:
     handle: RoomHandle
     chunk_idx: int
     session_id: str
-    src_pages: PageArray
-    dst_pages: PageArray | None  # None when dst_checked is set
+    # Its pages, checked once (sender/pages.py) for the transport; None: it sends none.
+    src_checked: CheckedPages | None
+    dst_checked: CheckedPages | None
     byte_range: tuple[int, int] | None
     dst_region: str
     is_last: bool
     chunk_id: int
-    # The pages checked once (sender/pages.py) for the transport; None: use the arrays.
-    src_checked: CheckedPages | None
-    dst_checked: CheckedPages | None
     made_at: float
     # Set (once, under the room lock) when it failed by us while NIXL still has it.
     hung: BaseException | None = field(default=None, init=False)
@@ -75,7 +68,7 @@ class Chunk:
     @property
     def num_pages(self) -> int:
         """Pages this chunk sends to its session (0: all in the decode prefix)."""
-        return int(self.src_pages.shape[0])
+        return 0 if self.src_checked is None else len(self.src_checked)
 
     def __repr__(self) -> str:
         return (

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import heapq
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -77,13 +76,8 @@ _Tracked = tuple[float, int, float, Chunk]
 """``(due, seq, posted_at, chunk)``: a polled chunk (``seq`` breaks ties)."""
 
 
-class _Idle:
-    """What :meth:`ChunkPipeline._next_unit` returns when no unit came."""
-
-
-_IDLE = _Idle()
-
-_debug_enabled = functools.partial(logger.isEnabledFor, logging.DEBUG)
+_IDLE: list[Chunk] = []
+"""What :meth:`ChunkPipeline._next_unit` returns when no unit came (never changed)."""
 
 _End = tuple[Chunk, BaseException | None, bool, bool]
 """``(chunk, exc, abandoned, already_failed)``: one chunk to end."""
@@ -173,8 +167,13 @@ class ChunkPipeline:
         # read without it (a stale read delays a sweep by one call).
         self._sweep_claim = threading.Lock()
         self._sweep_due = 0.0
-        # The worker queue: units of chunks; None = stop.
+        # The worker queue: units of chunks; None = stop. _enqueue: how submit queues (None:
+        # inline), a send's chunks as one unit, or one unit per chunk with a pool.
         self._queue: queue.SimpleQueue[list[Chunk] | None] = queue.SimpleQueue()
+        self._enqueue: Callable[[list[Chunk]], None] | None = (
+            None if not num_workers else self._queue.put if staging_pool is None
+            else self._enqueue_each
+        )
         self._stopped = False
         # _tracked: heap of posted chunks by due time; guarded by _tracked_lock (a leaf lock
         # outside the model). _pass_claim: one worker at a time polls them.
@@ -209,20 +208,15 @@ class ChunkPipeline:
             if src_checked is None or src_checked.max_page >= self._num_pages:
                 raise ValueError(_out_of_range(kv_indices, self._num_pages))
         rooms = self.rooms
-        if self.workers:
-            enqueue = self._queue.put if self.pool is None else self._enqueue_each
+        if self.workers or self.pool is not None:
             # mutant-site: submit-set-chunks
             chunks = rooms.begin_chunk(
-                handle, chunk_idx, start, kv_indices, src_checked, is_last, enqueue=enqueue
+                handle, chunk_idx, start, kv_indices, src_checked, is_last, enqueue=self._enqueue
             )
+            if chunks is not None and not self.workers:  # inline with a pool: one by one
+                for chunk in chunks:
+                    self._run_unit([chunk])
             return 0 if chunks is None else len(chunks)
-        if self.pool is not None:
-            chunks = rooms.begin_chunk(handle, chunk_idx, start, kv_indices, src_checked, is_last)
-            if chunks is None:
-                return 0
-            for chunk in chunks:
-                self._run_unit([chunk])
-            return len(chunks)
         # Inline, no pool: one gate section checks, makes, registers and posts every chunk.
         entry = rooms.peek(handle)
         if entry is None:
@@ -264,10 +258,8 @@ class ChunkPipeline:
             self._return_slots(unit)
             rooms.skip(unit)
             return []
-        if self.pool is not None:
-            unit = self._stage(entry, unit)
-            if not unit:
-                return []
+        if self.pool is not None and not self._stage(entry, unit[0]):  # a pool's unit: 1 chunk
+            return []
         skipped = After()
         # mutant-site: start-with
         with entry.gate.write_untimed():
@@ -280,36 +272,35 @@ class ChunkPipeline:
         self._posted(unit, ends)
         return [c for c in unit if not c.ended]
 
-    def _stage(self, entry: RoomEntry, unit: list[Chunk]) -> list[Chunk]:
-        """Lease a slot per chunk and gather into it; the chunks ready to post."""
+    def _stage(self, entry: RoomEntry, chunk: Chunk) -> bool:
+        """Lease a slot for ``chunk`` and gather into it; whether it is ready to post."""
         pool = self.pool
         assert pool is not None
         rooms = self.rooms
-        handle = entry.handle
-        ready = [c for c in unit if not c.num_pages]  # nothing to stage
-        prefetched = rooms.note_prefetched(unit)
-        if len(prefetched) + len(ready) < len(unit):  # their room is gone: they were skipped
-            ids = {c.chunk_id for c in prefetched}
-            self._return_slots([c for c in unit if c.num_pages and c.chunk_id not in ids])
-        for chunk in prefetched:
+        if not rooms.note_prefetched(chunk):  # its room is gone: it was skipped
+            self._return_slots([chunk])
+            return False
+        if not chunk.num_pages:  # nothing to stage
+            return True
+        try:
             try:
-                try:
-                    # A worker leased it already (_run_pool_unit); inline, wait here.
-                    if chunk.slot is None:
-                        chunk.slot = self._wait_for_slot(chunk)
-                except (PoolExhaustedError, PoolClosedError) as exc:
-                    rooms.slot_failed(chunk, exc)
-                    continue
-                if not rooms.still_postable(handle, entry):  # the wait may have been long
-                    self._return_slots([chunk])
-                    rooms.skip([chunk])
-                    continue
-                pool.gather(chunk.slot, self.kv_pool, chunk.src_pages, chunk.byte_range)
-                ready.append(chunk)
-            except BaseException as exc:
+                # A worker leased it already (_run_pool_unit); inline, wait here.
+                if chunk.slot is None:
+                    chunk.slot = self._wait_for_slot(chunk)
+            except (PoolExhaustedError, PoolClosedError) as exc:
+                rooms.slot_failed(chunk, exc)
+                return False
+            if not rooms.still_postable(entry.handle, entry):  # the wait may have been long
                 self._return_slots([chunk])
-                rooms.internal_error(chunk, exc, chunk_ends=True)
-        return ready
+                rooms.skip([chunk])
+                return False
+            pages = np.asarray(chunk.src_checked, dtype=np.int64)  # a writable copy for torch
+            pool.gather(chunk.slot, self.kv_pool, pages, chunk.byte_range)
+            return True
+        except BaseException as exc:
+            self._return_slots([chunk])
+            rooms.internal_error(chunk, exc, chunk_ends=True)
+            return False
 
     def _wait_for_slot(self, chunk: Chunk) -> StagingSlot:
         """Inline: lease a slot under the session's cap, ending slot holders while waiting.
@@ -473,7 +464,7 @@ class ChunkPipeline:
 
     def _posted(self, chunks: Sequence[Chunk], ends: Sequence[_End]) -> None:
         """After a unit's gate: DEBUG lines for its posts, then end the chunks ended at once."""
-        if _debug_enabled():
+        if logger.isEnabledFor(logging.DEBUG):
             for chunk in chunks:
                 if chunk.transfer is not None:
                     logger.debug(
@@ -481,19 +472,17 @@ class ChunkPipeline:
                         chunk.handle.room, chunk.handle.generation, chunk.chunk_idx,
                         chunk.session_id, chunk.num_pages,
                     )
-        if ends:
-            self.end_many(ends)
+        self.end_many(ends)
 
     def _write(self, chunk: Chunk) -> TransferLike:
         handle = chunk.handle
         notif = f"room={handle.room};chunk={chunk.chunk_idx};last={int(chunk.is_last)}".encode()
+        src, dst = chunk.src_checked, chunk.dst_checked
+        assert src is not None and dst is not None  # it has pages (_post_all)
+        region = self.kv_region
         if chunk.slot is not None:
-            src: PageIndices = CheckedPages.span(chunk.slot.first_page, chunk.num_pages)
+            src = CheckedPages.span(chunk.slot.first_page, chunk.num_pages)
             region = self.staging_region
-        else:
-            src = chunk.src_checked if chunk.src_checked is not None else chunk.src_pages
-            region = self.kv_region
-        dst: Any = chunk.dst_checked if chunk.dst_checked is not None else chunk.dst_pages
         return self.transport.write_pages(
             chunk.session_id, src, dst, notif, src_region=region, dst_region=chunk.dst_region,
             timeout_s=self.transfer_timeout_s,
@@ -537,8 +526,7 @@ class ChunkPipeline:
         """Poll each chunk once and end those that ended; the chunks still to poll."""
         ends: list[_End] = []
         still = [chunk for chunk in chunks if self._poll_into(chunk, ends)]
-        if ends:
-            self._end_many(ends)
+        self._end_many(ends)
         return still
 
     def _poll_into(self, chunk: Chunk, ends: list[_End]) -> bool:
@@ -589,7 +577,7 @@ class ChunkPipeline:
             claimed.append(end)
         if claimed:
             after = self.rooms.account_ends(claimed, self._nbytes, self._fatal)
-            if _debug_enabled():
+            if logger.isEnabledFor(logging.DEBUG):
                 for chunk, outcome, abandoned, _ in claimed:
                     logger.debug(
                         "room %d gen %d chunk %d -> %r ended: %s",
@@ -648,6 +636,7 @@ class ChunkPipeline:
         """See :meth:`sender.manager.KVManager.wait_drained` (``timeout_s`` checked)."""
         rooms = self.rooms
         deadline = time.monotonic() + timeout_s
+        expired = False
         while True:
             self.maybe_sweep()
             with rooms.lock.read():
@@ -656,19 +645,15 @@ class ChunkPipeline:
                 # mutant-site: wait-drained
                 left = rooms.lingering_locked(handle)
             rooms.await_published(unpublished)  # the ends it saw are logged and told first
-            if not left:
-                return True
+            if not left or expired:  # past the deadline: checked once more after a poll
+                return not left
             try:
                 self.poll_all(pending)
             except BaseException:  # a release error: the chunk ended; keep waiting
                 rooms.unaccounted_errors += 1
-            if time.monotonic() >= deadline:
-                with rooms.lock.read():
-                    nothing_left = rooms.lingering_locked(handle) == 0
-                    unpublished = rooms.pending_locked()
-                rooms.await_published(unpublished)
-                return nothing_left
-            time.sleep(0.0002)
+            expired = time.monotonic() >= deadline
+            if not expired:
+                time.sleep(0.0002)
 
     def abandon_draining(self) -> int:
         """``close()`` past its wait: poll the draining chunks once; how many are still in
@@ -767,7 +752,7 @@ class ChunkPipeline:
             wait = min(wait, max(0.0, next_due - time.monotonic()))
         return wait
 
-    def _next_unit(self, pause_s: float) -> list[Chunk] | _Idle | None:
+    def _next_unit(self, pause_s: float) -> list[Chunk] | None:
         """The next queued unit, waiting at most ``pause_s`` (``0``: check and yield)."""
         try:
             if pause_s > 0:
@@ -790,7 +775,7 @@ class ChunkPipeline:
             try:
                 if self._parked:  # older than the new unit
                     self._retry_parked()
-                if not isinstance(unit, _Idle):
+                if unit is not _IDLE:
                     pending = (
                         self._run_unit(unit)
                         if self.pool is None
@@ -802,7 +787,7 @@ class ChunkPipeline:
                 if self._tracked:
                     self._poll_pass()
             except BaseException as exc:  # a worker never dies: the room fails instead
-                if not isinstance(unit, _Idle):
+                if unit is not _IDLE:
                     self.rooms.internal_error(unit[0], exc, chunk_ends=False)
                 else:
                     self.rooms.unaccounted_errors += 1

@@ -47,11 +47,6 @@ COUNTERS = (
 )
 """The room table's counters (``ManagerStats`` fields of the same names)."""
 
-# Hot-path aliases (a global look-up is cheaper than an Enum member's).
-_FAILED = KVPoll.Failed
-_SUCCESS = KVPoll.Success
-_TRANSFERRING = KVPoll.Transferring
-
 MAX_ROOMS_LOGGED = 64
 """A session failed as a whole is logged once, naming at most this many of its rooms."""
 
@@ -80,10 +75,9 @@ class After:
 
     def run(self, events: ManagerEvents | None) -> None:
         """Emit the events and log lines (never raises: a listener error is logged)."""
-        if self.logs:
-            for level, msg, args in self.logs:
-                logger.log(level, msg, *args)
-        if events is None or not (self.concluded or self.ended):
+        for level, msg, args in self.logs:
+            logger.log(level, msg, *args)
+        if events is None:
             return
         try:
             for rec in self.concluded:
@@ -319,7 +313,7 @@ class RoomTable:
         """``entry`` is still ``handle``'s open, unfailed entry. Caller holds ``lock``."""
         return (
             self.live_locked(handle, count=count) is entry
-            and self.request_status.get(handle.room) is not _FAILED
+            and self.request_status.get(handle.room) is not KVPoll.Failed
         )
 
     def tables_locked(self) -> tuple[tuple[str, dict[int, Any]], ...]:
@@ -347,11 +341,7 @@ class RoomTable:
 
     def draining_of_locked(self, handle: RoomHandle | None) -> list[Chunk]:
         """The opening's draining chunks (all with ``None``). Caller holds ``lock``."""
-        if handle is None:
-            return list(self.draining.values())
-        if not self.draining_by_handle.get(handle):
-            return []
-        return [c for c in self.draining.values() if c.handle == handle]
+        return [c for c in self.draining.values() if handle is None or c.handle == handle]
 
     # ------------------------------------------------------------------ status helpers
 
@@ -363,8 +353,8 @@ class RoomTable:
         """Caller holds ``lock`` (write)."""
         if entry.last_chunk_seen and entry.jobs_done == entry.jobs_total:
             room = entry.handle.room
-            self.set_status_locked(room, _SUCCESS)
-            if not entry.concluded and self.request_status[room] is _SUCCESS:
+            self.set_status_locked(room, KVPoll.Success)
+            if not entry.concluded and self.request_status[room] is KVPoll.Success:
                 entry.concluded = True
                 entry.succeeded = True
                 self.counts["rooms_succeeded"] += 1
@@ -390,7 +380,7 @@ class RoomTable:
         if entry is None:
             return False
         room = handle.room
-        first = self.request_status.get(room) is not _FAILED
+        first = self.request_status.get(room) is not KVPoll.Failed
         if exc is not None and room not in self.exceptions:
             where = f"room {room} generation {handle.generation}"
             if session_id is not None:
@@ -399,7 +389,7 @@ class RoomTable:
                 where += f", chunk {chunk_idx}"
             _note(exc, f"nixl-staging: {where}")
             self.exceptions[room] = exc
-        self.set_status_locked(room, _FAILED)
+        self.set_status_locked(room, KVPoll.Failed)
         with self.failure_lock.write():
             self.failure_records.setdefault(room, reason)
         # mutant-site: fail-locked
@@ -569,7 +559,7 @@ class RoomTable:
                 self._told_locked(entry, after, "cleared", "cleared")
             # None for a room that succeeded, then failed (docs/PROTOCOL.md).
             if self.notifier.enabled and status is not KVPoll.Success and not entry.succeeded:
-                failed = status is _FAILED
+                failed = status is KVPoll.Failed
                 notice = RoomNotice(
                     room, entry.handle.generation, "failed" if failed else "cleared",
                     (entry.failure_code or code_for(record, exception)) if failed else "cleared",
@@ -652,8 +642,7 @@ class RoomTable:
         n = int(kv_indices.shape[0])
         end = start + n
         now = time.monotonic() if self.events is not None else 0.0
-        after: After | None = None
-        with self.lock.write():
+        with self.deciding(untimed=False) as after:
             entry = entry_expected or self.live_locked(handle)
             if entry is None or not self.postable_locked(handle, entry):
                 return None
@@ -667,13 +656,7 @@ class RoomTable:
                     f"chunk ends at page {end}, past num_kv_indices={entry.num_kv_indices}"
                 )
             chunks: list[Chunk] = []
-            ids = self._chunk_ids
             for info in infos.values():  # nothing changes until every info passed
-                if info.dst_pages.size < end:  # add_info refuses these; be sure
-                    raise ValueError(
-                        f"session {info.session_id!r} has {info.dst_pages.size} destination "
-                        f"pages; chunk ends at page {end}"
-                    )
                 # Pages in the decode prefix are already at the peer.
                 skip = min(max(info.decode_prefix_len - start, 0), n)
                 sends = skip < n
@@ -683,39 +666,28 @@ class RoomTable:
                         f"session {info.session_id!r}; a staging slot holds "
                         f"{self.pool.slot_pages}"
                     )
-                dst = info.dst_checked
-                src = None
-                if sends and src_checked is not None:
-                    src = src_checked[skip:] if skip else src_checked
+                src = dst = None
+                # Both checked when it sends: kv_indices and the session's pages are not empty.
+                if sends and src_checked is not None and info.dst_checked is not None:
+                    src, dst = src_checked[skip:], info.dst_checked[start + skip : end]
                 chunks.append(
                     Chunk(
-                        handle, chunk_idx, info.session_id,
-                        kv_indices[skip:] if skip else kv_indices,
-                        info.dst_pages[start + skip : end] if dst is None else None,
-                        info.byte_range, info.dst_region, is_last, next(ids),
-                        src,
-                        dst[start + skip : end] if sends and dst is not None else None,
-                        now,
+                        handle, chunk_idx, info.session_id, src, dst, info.byte_range,
+                        info.dst_region, is_last, next(self._chunk_ids), now,
                     )
                 )
             entry.chunk_idxs.add(chunk_idx)
             entry.jobs_total += len(chunks)
             entry.last_chunk_seen = entry.last_chunk_seen or is_last
             self.counts["chunks_submitted"] += len(chunks)
-            if self.request_status.get(handle.room) is not _TRANSFERRING:
-                self.set_status_locked(handle.room, _TRANSFERRING)
+            self.set_status_locked(handle.room, KVPoll.Transferring)
             if is_last and not chunks:
-                after = After()
                 self.maybe_succeed_locked(entry, after)
             if entry_expected is not None:
                 for chunk in chunks:
                     entry.inflight[chunk.chunk_id] = chunk
             elif enqueue is not None:
                 enqueue(chunks)
-            if after is not None:
-                self.seal_locked(after)
-        if after is not None:
-            self.publish(after)
         return chunks
 
     def register(
@@ -739,31 +711,25 @@ class RoomTable:
         with self.lock.read():
             return self.postable_locked(handle, entry)
 
-    def note_prefetched(self, chunks: Sequence[Chunk]) -> list[Chunk]:
-        """Record the prefetch key of each chunk with pages and count the chunks on the room;
-        mark it prefetched once all are in. Returns the chunks whose key was recorded (other
-        chunks with pages are counted skipped: their room is gone)."""
-        if not chunks:
-            return []
-        handle = chunks[0].handle
-        staged = [c for c in chunks if c.num_pages]
-        unstaged = len(chunks) - len(staged)
-        kept = [
-            c for c in staged if self.staging.request_prefetch(c.handle, c.chunk_idx, c.session_id)
-        ]
+    def note_prefetched(self, chunk: Chunk) -> bool:
+        """Record ``chunk``'s prefetch key if it has pages and count it on its room; mark the
+        room prefetched once all its chunks are in. ``False``: its key was not recorded (its
+        room is gone: the chunk is counted skipped)."""
+        staged = chunk.num_pages > 0
+        kept = not staged or self.staging.request_prefetch(
+            chunk.handle, chunk.chunk_idx, chunk.session_id
+        )
         complete = False
         with self.deciding(untimed=False) as after:
-            entry = self.live_locked(handle, count=bool(kept))
-            if entry is None:
-                kept = []
-            else:
-                entry.prefetch_requests += len(kept) + unstaged
+            entry = self.live_locked(chunk.handle, count=staged and kept)
+            if entry is not None and kept:
+                entry.prefetch_requests += 1
                 complete = entry.last_chunk_seen and entry.prefetch_requests == entry.jobs_total
-            if len(kept) != len(staged):
-                ids = {c.chunk_id for c in kept}
-                self.skipped_locked([c for c in staged if c.chunk_id not in ids], after)
+            elif staged:
+                kept = False
+                self.skipped_locked((chunk,), after)
         if complete:
-            self.staging.mark_prefetched(handle)
+            self.staging.mark_prefetched(chunk.handle)
         return kept
 
     def skipped_locked(self, chunks: Sequence[Chunk], after: After) -> None:
@@ -848,9 +814,8 @@ class RoomTable:
         already_failed)``, in one write section: unregister, count, advance or fail the
         room, release a held notice, fail fatal sessions. Returns the sealed After."""
         after = After()
-        fatal_ends: list[tuple[str, BaseException]] | None = None
+        fatal_ends: list[tuple[str, BaseException]] = []
         now = time.monotonic()
-        events = self.events is not None
         with self.lock.write_untimed():
             counts = self.counts
             for chunk, exc, abandoned, already_failed in ends:
@@ -859,8 +824,7 @@ class RoomTable:
                 released = isinstance(exc, TransferReleasedError)
                 if chunk.transfer is not None:  # its write was posted, whatever its end
                     counts["bytes_posted"] += nbytes(chunk)
-                if self.hung:
-                    self.hung.pop(chunk_id, None)
+                self.hung.pop(chunk_id, None)
                 drained = bool(self.draining) and self.draining.pop(chunk_id, None) is not None
                 left = 0
                 if drained:
@@ -893,7 +857,7 @@ class RoomTable:
                 else:
                     counts["chunks_failed"] += 1
                     outcome = "failed"
-                if events:
+                if self.events is not None:
                     after.ended.append(
                         (chunk.session_id, outcome, now - chunk.made_at, nbytes(chunk))
                     )
@@ -924,14 +888,12 @@ class RoomTable:
                     chunk_idx=chunk.chunk_idx,
                 )
                 if fatal(exc):
-                    fatal_ends = fatal_ends or []
                     fatal_ends.append((chunk.session_id, exc))
             # In this section: a reader sees the room and its session failed together.
-            if fatal_ends is not None:
-                for session_id, fatal_exc in fatal_ends:
-                    self.fail_session_locked(
-                        session_id, f"{type(fatal_exc).__name__}: {fatal_exc}", after
-                    )
+            for session_id, fatal_exc in fatal_ends:
+                self.fail_session_locked(
+                    session_id, f"{type(fatal_exc).__name__}: {fatal_exc}", after
+                )
             self.seal_locked(after)
         return after
 

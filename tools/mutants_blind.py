@@ -115,7 +115,11 @@ if room not in self.rooms:  # another purge won
 chunks = rooms.begin_chunk(
     handle, chunk_idx, start, kv_indices, src_checked, is_last, enqueue=None
 )
-return 0 if not chunks else (enqueue(chunks), len(chunks))[1]
+if chunks and self._enqueue is not None:
+    self._enqueue(chunks)  # MUTANT: queued after the lock
+if chunks is not None and not self.workers:
+    for chunk in chunks:
+        self._run_unit([chunk])
 """,
         kind="race",
         description=(

@@ -300,7 +300,7 @@ return min(values), max(values), False  # MUTANT: short lists never repeat
         file=PIPELINE,
         site="worker-main-call-maybe-sweep",
         replacement="""\
-if isinstance(unit, _Idle) and pause >= HUNG_SWEEP_S:  # MUTANT: idle only
+if unit is _IDLE and pause >= HUNG_SWEEP_S:  # MUTANT: idle only
     self.maybe_sweep()
 """,
         kind="race",

@@ -52,6 +52,7 @@ from sender.errors import KVTransferError
 from sender.manager import KVManager, make_transfer_info
 from sender.nixl_sender import NixlKVSender
 from sender.notifier import Notifier
+from sender.pages import CheckedPages
 from sender.poll import KVPoll
 from staging import StagingContext
 from staging.context import RoomHandle
@@ -89,7 +90,8 @@ def _park(mgr: KVManager, handle: Any, pages: Any) -> list[Chunk]:
     counted by the room table) but hand it to us instead of a worker queue, so that a thread
     of the exploration starts it exactly as a transfer worker does."""
     units: list[list[Chunk]] = []
-    chunks = mgr.rooms.begin_chunk(handle, 0, 0, pages, None, True, enqueue=units.append)
+    checked = CheckedPages(pages, unique=False)
+    chunks = mgr.rooms.begin_chunk(handle, 0, 0, pages, checked, True, enqueue=units.append)
     assert chunks is not None and units == [chunks]
     return chunks
 
@@ -314,8 +316,9 @@ def _ungated_submit(mgr: KVManager) -> Callable[..., int]:
         entry = rooms.peek(handle)
         if entry is None:
             return 0
+        checked = CheckedPages(kv_indices, unique=False) if len(kv_indices) else None
         chunks = rooms.begin_chunk(
-            handle, chunk_idx, start, kv_indices, None, is_last, entry_expected=entry
+            handle, chunk_idx, start, kv_indices, checked, is_last, entry_expected=entry
         )
         if not chunks:
             return 0

@@ -177,8 +177,7 @@ class TwoClaims:
         from staging.context import RoomHandle
 
         self.chunk = Chunk(
-            RoomHandle(ROOM, 1), 0, "d0", np.array([0]), None, None, "kv", True, 1, None, None,
-            0.0,
+            RoomHandle(ROOM, 1), 0, "d0", None, None, None, "kv", True, 1, 0.0
         )
         self.won: list[int] = []
 
@@ -273,8 +272,7 @@ def test_a_chunks_claim_has_exactly_one_winner_under_perturbed_threads() -> None
     try:
         for n in range(300):
             chunk = Chunk(
-                RoomHandle(ROOM, n + 1), 0, "d0", np.array([0]), None, None, "kv", True, n,
-                None, None, 0.0,
+                RoomHandle(ROOM, n + 1), 0, "d0", None, None, None, "kv", True, n, 0.0
             )
             won: list[int] = []
             start = threading.Barrier(4)
