@@ -76,11 +76,20 @@ class Notifier:
         self._withheld_handles: set[RoomHandle] = set()
         self._stopped = False
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
-        self.enabled = send_notif is not None  # whether notices are sent at all
-        self.thread: threading.Thread | None = None  # the notifier thread, if enabled
+        self._thread: threading.Thread | None = None
         if send_notif is not None:
-            self.thread = threading.Thread(target=self._main, name="kv-notifier", daemon=True)
-            self.thread.start()
+            self._thread = threading.Thread(target=self._main, name="kv-notifier", daemon=True)
+            self._thread.start()
+
+    @property
+    def enabled(self) -> bool:
+        """``True`` when notices are sent at all."""
+        return self._send is not None
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The notifier thread (``None`` when notices are off)."""
+        return self._thread
 
     def enqueue(self, notice: RoomNotice, sessions: tuple[str, ...]) -> None:
         """Queue ``notice`` for every session in ``sessions`` now. Never blocks or raises."""
@@ -142,12 +151,12 @@ class Notifier:
         with self._lock:
             first = not self._stopped
             self._stopped = True
-        if self.thread is None:
+        if self._thread is None:
             return True
         if first:
             self._queue.put(None)
-        self.thread.join(bounded_wait(timeout_s))
-        return not self.thread.is_alive()
+        self._thread.join(bounded_wait(timeout_s))
+        return not self._thread.is_alive()
 
     def counts(self) -> NoticeCounts:
         """A consistent snapshot of the counters."""
