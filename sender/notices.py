@@ -22,7 +22,8 @@ MAX_NOTICE_BYTES = 512
 OUTCOMES = ("failed", "cleared")
 CODES = ("aborted", "transport", "timeout", "peer-failed", "bad-input", "internal", "cleared")
 """Why: the caller aborted; a transport error; a transfer deadline; the decode session was
-failed as a whole; bad transfer info; an internal error; cleared without a failure."""
+failed as a whole (or every staging slot it may hold is held by its hung transfers); bad
+transfer info; an internal error; cleared without a failure."""
 
 
 class NoticeError(ValueError):

@@ -288,7 +288,7 @@ class ChunkPipeline:
                 if chunk.slot is None:
                     chunk.slot = self._wait_for_slot(chunk)
             except (PoolExhaustedError, PoolClosedError) as exc:
-                rooms.slot_failed(chunk, exc)
+                self._slot_failed(chunk, exc)
                 return False
             if not rooms.still_postable(entry.handle, entry):  # the wait may have been long
                 self._return_slots([chunk])
@@ -328,20 +328,21 @@ class ChunkPipeline:
         )
 
     def _give_up_if_slots_all_hung(self, session: str) -> None:
-        """Raise :class:`SlotsHeldByHungError` when the pool's slots, or ``session``'s cap,
-        are all held by hung chunks. (A hung chunk returns its slot before leaving
-        ``rooms.hung``, so a racing end shows as a free slot.)"""
+        """Raise :class:`SlotsHeldByHungError` when ``session``'s cap, or the pool's slots,
+        are all held by hung chunks (the session's own first: its peer is the one that hangs).
+        (A hung chunk returns its slot before leaving ``rooms.hung``, so a racing end shows
+        as a free slot.)"""
         pool = self.pool
         assert pool is not None
         if not self.rooms.hung:
             return
         hung_slots = [c.session_id for c in self.rooms.hung_chunks() if c.slot is not None]
         num_slots = pool.num_slots
-        if pool.stats().in_use >= num_slots and len(hung_slots) >= num_slots:
-            raise SlotsHeldByHungError(num_slots, len(hung_slots))
         cap = self.session_slots
         if pool.group_slots(session) >= cap and hung_slots.count(session) >= cap:
             raise SlotsHeldByHungError(num_slots, hung_slots.count(session), session, cap)
+        if pool.stats().in_use >= num_slots and len(hung_slots) >= num_slots:
+            raise SlotsHeldByHungError(num_slots, len(hung_slots))
 
     def _run_pool_unit(self, unit: list[Chunk], parked_at: float | None) -> list[Chunk] | None:
         """Run ``unit`` once its slot is leased; ``None``: it stays parked. Past
@@ -371,9 +372,16 @@ class ChunkPipeline:
                 pool.note_exhausted()
                 raise PoolExhaustedError(pool.num_slots, self.slot_timeout_s)
         except (PoolExhaustedError, PoolClosedError) as exc:
-            rooms.slot_failed(chunk, exc)
+            self._slot_failed(chunk, exc)
             return []
         return None
+
+    def _slot_failed(self, chunk: Chunk, exc: BaseException) -> None:
+        """No slot for ``chunk``: its room fails with code ``peer-failed`` when every slot its
+        session may hold is held by that session's hung chunks (its decode peer hangs), else
+        ``internal``."""
+        own = isinstance(exc, SlotsHeldByHungError) and exc.session_id == chunk.session_id
+        self.rooms.slot_failed(chunk, exc, code="peer-failed" if own else "internal")
 
     def _admit_pool_unit(self, unit: list[Chunk]) -> list[Chunk]:
         """Park a new pool unit behind its session's parked units, else run it; to poll."""

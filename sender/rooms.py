@@ -748,9 +748,10 @@ class RoomTable:
         with self.deciding(untimed=False) as after:
             self.skipped_locked(chunks, after)
 
-    def slot_failed(self, chunk: Chunk, exc: BaseException) -> None:
-        """No staging slot for ``chunk``: fail its room; the chunk ends failed (or skipped)."""
-        self._fail_chunk(chunk, exc, f"no staging slot: {exc}", untimed=False)
+    def slot_failed(self, chunk: Chunk, exc: BaseException, *, code: str = "internal") -> None:
+        """No staging slot for ``chunk``: fail its room with ``code``; the chunk ends failed
+        (or skipped)."""
+        self._fail_chunk(chunk, exc, f"no staging slot: {exc}", untimed=False, code=code)
 
     def internal_error(self, chunk: Chunk, exc: BaseException, *, chunk_ends: bool) -> None:
         """An unexpected error handling ``chunk``: count it, fail the room, and with
@@ -765,14 +766,15 @@ class RoomTable:
 
     def _fail_chunk(
         self, chunk: Chunk, exc: BaseException, reason: str, *, untimed: bool = True,
-        chunk_ends: bool = True, worker_error: bool = False,
+        chunk_ends: bool = True, worker_error: bool = False, code: str = "internal",
     ) -> None:
-        """Fail ``chunk``'s room; with ``chunk_ends`` the unposted chunk ends failed (skipped)."""
+        """Fail ``chunk``'s room with ``code``; with ``chunk_ends`` the unposted chunk ends
+        failed (skipped)."""
         with self.deciding(untimed=untimed) as after:
             if worker_error:
                 self.counts["worker_errors"] += 1
             failed = self.fail_locked(
-                chunk.handle, exc, reason, after, code="internal",
+                chunk.handle, exc, reason, after, code=code,
                 session_id=chunk.session_id, chunk_idx=chunk.chunk_idx,
             )
             if chunk_ends and not failed:  # a purged opening's unposted chunk: skipped

@@ -305,6 +305,8 @@ def test_inline_slot_wait_checks_for_hung_holders_before_it_waits(
             "check for hung holders before it waited"
         )
         assert isinstance(exc, PoolExhaustedError)
+        by_code = dict(mgr.stats().rooms_failed_by_code)  # its peer hangs: not an internal error
+        assert by_code == {"timeout": 1, "peer-failed": 1}, by_code
         assert took < BOUND_S, f"the send waited {took:.1f} s for a slot only a hung chunk holds"
         assert pool.stats().exhausted == exhausted, "the slot wait timed out instead"
         assert pool.stats().in_use == 1, "giving up freed the hung chunk's slot"

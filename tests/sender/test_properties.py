@@ -887,6 +887,9 @@ def test_a_slot_wait_gives_up_at_once_when_only_hung_chunks_hold_the_slots(
         for room in (3, 4):
             exc = mgr.exceptions.get(room)
             assert "held by hung transfers" in repr(exc), (room, repr(exc))
+        # Their own session's slots are held by its hung chunk: its peer failed, not us.
+        by_code = dict(mgr.stats().rooms_failed_by_code)
+        assert by_code == {"timeout": 1, "peer-failed": 2}, by_code
         assert issubclass(SlotsHeldByHungError, PoolExhaustedError)
         assert pool.stats().in_use == 1, "giving up must not free the hung chunk's slot"
         for s in (hung, waiting, late):
