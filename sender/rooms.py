@@ -748,7 +748,7 @@ class RoomTable:
         with self.deciding(untimed=False) as after:
             self.skipped_locked(chunks, after)
 
-    def slot_failed(self, chunk: Chunk, exc: BaseException, *, code: str = "internal") -> None:
+    def slot_failed(self, chunk: Chunk, exc: BaseException, *, code: str) -> None:
         """No staging slot for ``chunk``: fail its room with ``code``; the chunk ends failed
         (or skipped)."""
         self._fail_chunk(chunk, exc, f"no staging slot: {exc}", untimed=False, code=code)
