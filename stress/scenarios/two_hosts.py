@@ -37,8 +37,9 @@ invariants:
   partition, ``goal_met`` per phase, never judged);
   ``python -m bench fail-fast`` measures it on a quiet machine;
 * ``fail-fast``: rooms opened after the fault fail, never succeed while a hung peer or a cut
-  link is on; none is left open when the fault window ends (its traffic is joined); their
-  lives are figures (``opened_after_ms_max``);
+  link is on, and never with code ``internal`` (a hung peer is not our error); none is left
+  open when the fault window ends (its traffic is joined); their lives are figures
+  (``opened_after_ms_max``);
 * ``recovered``: once the fault is repaired, a streak of new rooms succeeds (verified)
   without a new transport;
 * ``no-early-reuse``: a failed room's decode pages are handed to a new room only once
@@ -132,7 +133,7 @@ FAULT_TO_FAILED = describe(
 FAIL_FAST = describe(
     "fail-fast",
     "rooms opened after a fault failed, never succeeded while a hung peer or a cut link was "
-    "on, none left open at the end of the fault window",
+    "on, never with code internal, none left open at the end of the fault window",
 )
 RECOVERED = describe(
     "recovered",
@@ -1471,6 +1472,14 @@ class _Child:
                 self.monitor.violation(
                     FAIL_FAST,
                     f"{kind}: room {o.room} opened after the fault succeeded while it was on",
+                )
+            # A hung peer's or cut link's room fails of its peer, never as our own error.
+            code = None if rig is None else rig.conclusions.code(o.room, o.generation)
+            if hung and code == "internal":
+                self.monitor.violation(
+                    FAIL_FAST,
+                    f"{kind}: room {o.room} opened after the fault failed with code 'internal' "
+                    "(its peer hangs: not an internal error)",
                 )
         first_ok = next(
             (o.concluded_at for o in recovery if o.status is KVPoll.Success and o.verified), None
